@@ -1,0 +1,622 @@
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""Tests of the attention stash.
+
+The CPU tests train tiny Hugging Face MoE models built from configs, where PyTorch's SDPA runs the fused CPU
+flash-attention kernel, an entry of the stash's own backend table, so they run the production code path. Every CPU
+comparison is bitwise: the stash replays the same deterministic kernels on the same inputs as the normal recompute.
+"""
+
+import gc
+import weakref
+from collections import Counter
+
+import pytest
+import torch
+import transformers
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from deepspeed.runtime.activation_checkpointing import attention_stash
+from deepspeed.runtime.activation_checkpointing.attention_stash import install_attention_stash
+
+NUM_LAYERS = 3
+CPU_FORWARD = "_scaled_dot_product_flash_attention_for_cpu.default"
+CPU_BACKWARD = "_scaled_dot_product_flash_attention_for_cpu_backward.default"
+
+
+def _mixtral(dtype=torch.float32, **overrides):
+    config = MixtralConfig(vocab_size=128,
+                           hidden_size=64,
+                           intermediate_size=64,
+                           num_hidden_layers=NUM_LAYERS,
+                           num_attention_heads=4,
+                           num_key_value_heads=2,
+                           num_local_experts=4,
+                           num_experts_per_tok=2,
+                           max_position_embeddings=64,
+                           attn_implementation="sdpa",
+                           **overrides)
+    torch.manual_seed(0)
+    return MixtralForCausalLM(config).to(dtype)
+
+
+def _qwen3_moe(dtype=torch.float32, **overrides):
+    config = Qwen3MoeConfig(vocab_size=128,
+                            hidden_size=64,
+                            intermediate_size=64,
+                            moe_intermediate_size=32,
+                            num_hidden_layers=NUM_LAYERS,
+                            num_attention_heads=4,
+                            num_key_value_heads=2,
+                            head_dim=16,
+                            num_experts=4,
+                            num_experts_per_tok=2,
+                            max_position_embeddings=64,
+                            attn_implementation="sdpa",
+                            **overrides)
+    torch.manual_seed(0)
+    return Qwen3MoeForCausalLM(config).to(dtype)
+
+
+MODELS = {"mixtral": _mixtral, "qwen3_moe": _qwen3_moe}
+
+
+def _checkpoint(model, use_reentrant=True):
+    # transformers 5.23 renamed gradient_checkpointing_enable, keeping the old name as a deprecated alias.
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    model.train()
+    return model
+
+
+def _ids(seed=1, batch=2, sequence=32):
+    return torch.randint(0, 128, (batch, sequence), generator=torch.Generator().manual_seed(seed))
+
+
+def _grads(model):
+    return {name: param.grad.clone() for name, param in model.named_parameters() if param.grad is not None}
+
+
+def _step(model, ids):
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), _grads(model)
+
+
+def _assert_same(grads, expected):
+    assert grads.keys() == expected.keys()
+    for name, grad in grads.items():
+        assert torch.equal(grad, expected[name]), name
+
+
+class _CountOps(TorchDispatchMode):
+    """Counts aten calls; CPU backward runs on the calling thread, so it sees the recompute too."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = Counter()
+        self.key_heads = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls[func.__name__] += 1
+        if func.__name__ == CPU_FORWARD:
+            self.key_heads.add(args[1].shape[1])
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def install():
+    """install_attention_stash that removes what a test left installed."""
+    handles = []
+
+    def _install(model, num_layers):
+        handle = install_attention_stash(model, num_layers)
+        handles.append(handle)
+        return handle
+
+    yield _install
+    for handle in handles:
+        handle.remove()
+    assert not attention_stash._STASHES and attention_stash._original_sdpa is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("num_layers", [1, NUM_LAYERS])
+@pytest.mark.parametrize("model_name", sorted(MODELS))
+def test_matches_normal_recompute(install, model_name, num_layers, dtype):
+    model = _checkpoint(MODELS[model_name](dtype))
+    ids = _ids()
+    expected_loss, expected = _step(model, ids)
+
+    handle = install(model, num_layers)
+    assert handle.layers == tuple(f"model.layers.{i}" for i in range(NUM_LAYERS - num_layers, NUM_LAYERS))
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=ids).loss
+    assert handle.num_kept == num_layers
+    with _CountOps() as counted:
+        loss.backward()
+    # The recompute runs the attention forward kernel only in the layers without a stash.
+    assert counted.calls[CPU_FORWARD] == NUM_LAYERS - num_layers
+    assert counted.calls[CPU_BACKWARD] == NUM_LAYERS
+    assert handle.num_kept == 0
+    assert torch.equal(loss.detach(), expected_loss)
+    _assert_same(_grads(model), expected)
+
+
+def test_checkpointing_enabled_after_install(install):
+    """The Hugging Face Trainer enables checkpointing itself, after the user's install."""
+    model = _checkpoint(_qwen3_moe())
+    ids = _ids()
+    expected_loss, expected = _step(model, ids)
+    model = _qwen3_moe().train()
+    handle = install(model, NUM_LAYERS)
+    _checkpoint(model)
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=ids).loss
+    assert handle.num_kept == NUM_LAYERS
+    loss.backward()
+    assert torch.equal(loss.detach(), expected_loss)
+    _assert_same(_grads(model), expected)
+
+
+class _Identity(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, tensor):
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def test_other_pre_hooks_replacing_the_layer_input(install):
+    """ZeRO-3 passes each module's inputs through an autograd function in a forward pre-hook; a stash installed after
+    deepspeed.initialize must still key by the layer's own input."""
+    model = _checkpoint(_mixtral())
+    ids = _ids()
+    expected_loss, expected = _step(model, ids)
+    for layer in model.model.layers:
+        layer.register_forward_pre_hook(lambda module, args: (_Identity.apply(args[0]), *args[1:]))
+    handle = install(model, NUM_LAYERS)
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=ids).loss
+    assert handle.num_kept == NUM_LAYERS
+    loss.backward()
+    assert torch.equal(loss.detach(), expected_loss)
+    _assert_same(_grads(model), expected)
+
+
+def test_grouped_heads_either_way(install, monkeypatch):
+    """Hugging Face passes GQA to sdpa as enable_gqa=True or as repeat_kv'd key/value; both replay exactly."""
+    import transformers.integrations.sdpa_attention as hf_sdpa
+
+    for key_heads, use_gqa in ((2, True), (4, False)):
+        monkeypatch.setattr(hf_sdpa, "use_gqa_in_sdpa", lambda *args, **kwargs: use_gqa)
+        model = _checkpoint(_qwen3_moe())
+        ids = _ids()
+        expected_loss, expected = _step(model, ids)
+        handle = install(model, NUM_LAYERS)
+        model.zero_grad(set_to_none=True)
+        with _CountOps() as forward:
+            loss = model(input_ids=ids, labels=ids).loss
+        with _CountOps() as backward:
+            loss.backward()
+        # 4 query heads reach the kernel with 2 key/value heads, or with 4 repeated ones.
+        assert forward.key_heads == {key_heads} and backward.calls[CPU_FORWARD] == 0
+        assert torch.equal(loss.detach(), expected_loss)
+        _assert_same(_grads(model), expected)
+        handle.remove()
+
+
+def test_each_recompute_takes_its_own_output(install):
+    """Two forwards, then their backwards in reverse order, against the same schedule without the stash."""
+
+    def schedule(model):
+        model.zero_grad(set_to_none=True)
+        first = model(input_ids=_ids(seed=1), labels=_ids(seed=1)).loss
+        second = model(input_ids=_ids(seed=2), labels=_ids(seed=2)).loss
+        second.backward()
+        after_second = _grads(model)
+        first.backward()
+        return first.detach(), second.detach(), after_second, _grads(model)
+
+    model = _checkpoint(_mixtral())
+    expected = schedule(model)
+    handle = install(model, NUM_LAYERS)
+    got = schedule(model)
+    assert handle.num_kept == 0
+    assert not torch.equal(expected[0], expected[1])
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    _assert_same(got[2], expected[2])
+    _assert_same(got[3], expected[3])
+
+
+def test_forwards_without_backward_keep_nothing(install):
+    model = _checkpoint(_mixtral())
+    ids = _ids()
+    with torch.no_grad():
+        expected_logits = model(input_ids=ids).logits
+    expected_tokens = model.generate(ids[:, :8], max_new_tokens=4, do_sample=False)
+    handle = install(model, NUM_LAYERS)
+
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, expected_logits)
+    assert handle.num_kept == 0
+
+    # Generation in train mode runs without grad, with the KV cache.
+    assert torch.equal(model.generate(ids[:, :8], max_new_tokens=4, do_sample=False), expected_tokens)
+    assert handle.num_kept == 0
+
+    model.eval()
+    loss = model(input_ids=ids, labels=ids).loss
+    assert handle.num_kept == 0
+    loss.backward()
+    model.train()
+
+    # A dropped forward: its loss is deleted without a backward.
+    loss = model(input_ids=ids, labels=ids).loss
+    assert handle.num_kept == NUM_LAYERS
+    del loss
+    gc.collect()
+    assert handle.num_kept == 0
+
+
+def test_autocast_matches_normal_recompute(install):
+    model = _checkpoint(_qwen3_moe())
+    ids = _ids()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected_loss, expected = _step(model, ids)
+        install(model, NUM_LAYERS)
+        loss, grads = _step(model, ids)
+    assert torch.equal(loss, expected_loss)
+    _assert_same(grads, expected)
+
+
+def test_remove_restores_stock_behaviour(install):
+    stock = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    first, second = _checkpoint(_mixtral()), _checkpoint(_qwen3_moe())
+    ids = _ids()
+    expected_loss, expected = _step(first, ids)
+
+    handle = install(first, 2)
+    other = install(second, 1)
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is attention_stash._stashing_sdpa
+    assert attention_stash._original_sdpa is stock
+    handle.remove()
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is attention_stash._stashing_sdpa  # the other model still has a stash
+    other.remove()
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is stock
+    assert all(not layer._forward_pre_hooks for layer in first.model.layers)
+
+    # Stock behaviour: training without a checkpoint is allowed again.
+    first.gradient_checkpointing_disable()
+    first(input_ids=ids, labels=ids).loss.backward()
+
+    # Install, remove, install again.
+    _checkpoint(first)
+    again = install(first, NUM_LAYERS)
+    loss, grads = _step(first, ids)
+    assert torch.equal(loss, expected_loss)
+    _assert_same(grads, expected)
+    again.remove()
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is stock
+
+
+def test_recompute_releases_each_output_during_the_backward(install):
+    model = _checkpoint(_mixtral())
+    handle = install(model, NUM_LAYERS)
+    loss = model(input_ids=_ids(), labels=_ids()).loss
+    outputs = [weakref.ref(kept.out) for stash in handle._stashes for kept in stash.kept.values()]
+    seen = []
+
+    def first_layer_recompute(module, args):
+        if torch.is_grad_enabled():
+            seen.append((handle.num_kept, [output() is None for output in outputs]))
+
+    model.model.layers[0].self_attn.register_forward_pre_hook(first_layer_recompute)
+    loss.backward()
+    # Backward recomputes the last layer first: by layer 0's recompute the outputs of layers 1 and 2 are freed.
+    assert seen == [(1, [False, True, True])]
+    del loss
+    gc.collect()
+    assert all(output() is None for output in outputs)
+
+
+def test_cudnn_entry_binds_to_its_schemas():
+    """The cuDNN table entry's forward and backward calls bind to the aten schemas; meta tensors check the shapes."""
+    query = torch.empty(2, 8, 64, 128, device="meta", dtype=torch.bfloat16)
+    key = torch.empty(2, 8, 64, 128, device="meta", dtype=torch.bfloat16)
+    ops = attention_stash._CudnnOps
+    out, tensors, scalars = ops.forward(query, key, key, True, None)
+    assert out.shape == query.shape and tensors[0].shape[:3] == query.shape[:3] and scalars == (64, 64)
+    grads = ops.backward(out, query, key, key, out, tensors, scalars, True, None)
+    assert [grad.shape for grad in grads] == [query.shape, key.shape, key.shape]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Fail-fast paths, each with its message.
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_rejects_other_attention_implementations():
+    config = MixtralConfig(vocab_size=128,
+                           hidden_size=64,
+                           intermediate_size=64,
+                           num_hidden_layers=1,
+                           num_attention_heads=4,
+                           num_key_value_heads=2,
+                           num_local_experts=2,
+                           attn_implementation="eager")
+    with pytest.raises(RuntimeError,
+                       match='needs a Hugging Face model with attn_implementation="sdpa", got \'eager\''):
+        install_attention_stash(MixtralForCausalLM(config), 1)
+
+
+def test_rejects_attention_implementation_switched_after_install(install):
+    model = _checkpoint(_mixtral())
+    install(model, 1)
+    model.config._attn_implementation = "eager"
+    with pytest.raises(RuntimeError, match='needs attn_implementation="sdpa" for model.layers.2, got "eager"'):
+        model(input_ids=_ids(), labels=_ids())
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "non_reentrant"])
+def test_rejects_training_outside_a_reentrant_checkpoint(install, checkpointing):
+    model = _mixtral().train()
+    if checkpointing == "non_reentrant":
+        _checkpoint(model, use_reentrant=False)
+        cause = "non-reentrant checkpointing"
+    else:
+        cause = "no activation checkpointing"
+    install(model, 1)
+    with pytest.raises(RuntimeError,
+                       match=f"reentrant activation checkpointing .* model.layers.2, got {cause}.*"
+                       r"use_reentrant\": True"):
+        model(input_ids=_ids(), labels=_ids())
+
+
+def test_rejects_activation_offload(install):
+    """Saved-tensor hooks around the checkpoint, as transformers' activation_checkpointing_enable(offload=True) sets
+    with pinned memory (which needs an accelerator), here with save_on_cpu's unpinned copies."""
+    model = _checkpoint(_mixtral())
+    install(model, 1)
+    with torch.autograd.graph.save_on_cpu(), pytest.raises(
+            RuntimeError,
+            match="needs the reentrant checkpoint of model.layers.2 to save its input as it is, got "
+            "saved-tensor hooks"):
+        model(input_ids=_ids(), labels=_ids())
+
+
+def test_rejects_attention_mask(install):
+    model = _checkpoint(_mixtral())
+    install(model, 1)
+    mask = torch.ones(2, 32, dtype=torch.long)
+    mask[0, :4] = 0
+    with pytest.raises(RuntimeError, match="needs attention without a mask in model.layers.2, got an attention mask"):
+        model(input_ids=_ids(), attention_mask=mask, labels=_ids())
+
+
+def test_rejects_attention_dropout(install):
+    model = _checkpoint(_mixtral(attention_dropout=0.1))
+    install(model, 1)
+    with pytest.raises(RuntimeError, match="needs attention dropout 0 in model.layers.2, got 0.1"):
+        model(input_ids=_ids(), labels=_ids())
+
+
+def test_rejects_other_sdpa_backend_choice(install):
+    model = _checkpoint(_mixtral())
+    install(model, 1)
+    with sdpa_kernel(SDPBackend.MATH), pytest.raises(RuntimeError,
+                                                     match="a fused SDPA backend it can replay .*got MATH on cpu"):
+        model(input_ids=_ids(), labels=_ids())
+
+
+def test_rejects_backend_change_between_passes(install, monkeypatch):
+
+    class OtherCpuOps(attention_stash._CpuFlashOps):
+        name = "another CPU kernel"
+
+    model = _checkpoint(_mixtral())
+    install(model, 1)
+    loss = model(input_ids=_ids(), labels=_ids()).loss
+    monkeypatch.setitem(attention_stash._BACKENDS, ("cpu", SDPBackend.FLASH_ATTENTION.value), OtherCpuOps)
+    with pytest.raises(RuntimeError, match="got CPU flash attention in the forward and another CPU kernel in the"):
+        loss.backward()
+
+
+def test_rejects_recompute_without_kept_output(install):
+    model = _checkpoint(_mixtral())
+    handle = install(model, 1)
+    loss = model(input_ids=_ids(), labels=_ids()).loss
+    handle.remove()
+    install(model, 1)
+    with pytest.raises(RuntimeError, match="needs a kept attention output for the recompute of model.layers.2, got"):
+        loss.backward()
+
+
+def test_rejects_same_input_twice_before_backward(install):
+    model = _checkpoint(_mixtral())
+    install(model, NUM_LAYERS)
+    embeds = model.model.embed_tokens(_ids()).detach().requires_grad_()
+    model(inputs_embeds=embeds)
+    with pytest.raises(RuntimeError, match="needs a distinct input for each forward of model.layers.0"):
+        model(inputs_embeds=embeds)
+
+
+def test_rejects_attention_call_without_the_layer_keyword_arguments(install):
+    model = _checkpoint(_mixtral())
+    install(model, 1)
+    attention = model.model.layers[2].self_attn
+    query = torch.randn(2, 4, 32, 16)
+    with pytest.raises(RuntimeError, match="needs model.layers.2 to pass its keyword arguments on to the attention"):
+        ALL_ATTENTION_FUNCTIONS["sdpa"](attention, query, query, query, None)
+
+
+def test_rejects_second_install(install):
+    model = _checkpoint(_mixtral())
+    install(model, 1)
+    with pytest.raises(RuntimeError, match="needs one install per decoder layer, got a second one on model.layers.2"):
+        install_attention_stash(model, 2)
+    assert len(attention_stash._STASHES) > 0 and model.model.layers[1] not in attention_stash._STASHES
+
+
+@pytest.mark.parametrize("num_layers", [True, 1.0, "2", None])
+def test_rejects_non_integer_num_layers(num_layers):
+    with pytest.raises(TypeError, match=f"needs an integer num_layers, got {type(num_layers).__name__}"):
+        install_attention_stash(_mixtral(), num_layers)
+
+
+@pytest.mark.parametrize("num_layers", [0, -1, NUM_LAYERS + 1])
+def test_rejects_out_of_range_num_layers(num_layers):
+    with pytest.raises(ValueError,
+                       match=f"needs num_layers from 1 to the model's {NUM_LAYERS} decoder layers, got "
+                       f"{num_layers}"):
+        install_attention_stash(_mixtral(), num_layers)
+
+
+@pytest.mark.parametrize("missing", [
+    "_fused_sdp_choice", "_C._current_graph_task_id", "_C._autograd._top_saved_tensors_default_hooks", "aten_op",
+    "checkpointing_layer", "attention_functions"
+])
+def test_rejects_missing_entry_points(monkeypatch, missing):
+    model = _mixtral()
+    if missing.startswith("_"):
+        owner, _, attribute = f"torch.{missing}".rpartition(".")
+        monkeypatch.delattr(f"{owner}.{attribute}")
+        name = f"torch.{missing}"
+    elif missing == "aten_op":
+        monkeypatch.setattr(attention_stash._CudnnOps, "ops", ("_scaled_dot_product_cudnn_attention_v9", ))
+        name = "torch.ops.aten._scaled_dot_product_cudnn_attention_v9"
+    elif missing == "checkpointing_layer":
+        monkeypatch.delattr(transformers.modeling_layers, "GradientCheckpointingLayer")
+        name = "transformers.modeling_layers.GradientCheckpointingLayer"
+    else:
+        monkeypatch.setattr(transformers.modeling_utils, "ALL_ATTENTION_FUNCTIONS", {})
+        name = r'transformers.modeling_utils.ALL_ATTENTION_FUNCTIONS\["sdpa"\]'
+    with pytest.raises(RuntimeError,
+                       match=f"needs PyTorch 2.11 or newer and transformers 5.x, got an installation "
+                       f"without {name}"):
+        install_attention_stash(model, 1)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# GPU (cuDNN), skipped without CUDA.
+# ---------------------------------------------------------------------------------------------------------------------
+
+requires_cudnn = pytest.mark.skipif(not torch.cuda.is_available(), reason="cuDNN attention needs CUDA")
+
+
+@requires_cudnn
+def test_cudnn_replay_matches_autograd():
+    torch.manual_seed(0)
+    batch, heads, sequence, head_dim = 2, 8, 1024, 128
+    shape = (batch, heads, sequence, head_dim)
+    query, key, value = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    grad_out = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    choice = torch._fused_sdp_choice(query, key, value, None, 0.0, True)
+    if choice != SDPBackend.CUDNN_ATTENTION.value:
+        pytest.skip(f"PyTorch picks {attention_stash._BACKEND_NAMES[choice]} here, not cuDNN")
+
+    def leaves(dtype=torch.bfloat16):
+        return [t.detach().to(dtype).requires_grad_() for t in (query, key, value)]
+
+    expected_inputs = leaves()
+    expected = torch.nn.functional.scaled_dot_product_attention(*expected_inputs, is_causal=True)
+    expected.backward(grad_out)
+
+    with torch.no_grad():
+        out, tensors, scalars = attention_stash._CudnnOps.forward(query, key, value, True, None)
+    kept = attention_stash._Kept(attention_stash._CudnnOps, out, tensors, scalars)
+    inputs = leaves()
+    replayed = attention_stash._StashedAttention.apply(*inputs, kept, True, None)
+    replayed.backward(grad_out)
+
+    reference_inputs = leaves(torch.float32)
+    with sdpa_kernel(SDPBackend.MATH):
+        reference = torch.nn.functional.scaled_dot_product_attention(*reference_inputs, is_causal=True)
+    reference.backward(grad_out.float())
+
+    assert torch.equal(replayed, expected)
+    assert torch.equal(inputs[1].grad, expected_inputs[1].grad)
+    assert torch.equal(inputs[2].grad, expected_inputs[2].grad)
+
+    def error(grad):
+        return ((grad.float() - reference_inputs[0].grad).norm() / reference_inputs[0].grad.norm()).item()
+
+    # cuDNN accumulates dQ in a nondeterministic order, so two autograd runs differ in the last bits; 1% of the error
+    # covers that order, not a worse gradient.
+    assert error(inputs[0].grad) <= 1.01 * error(expected_inputs[0].grad)
+
+
+@requires_cudnn
+def test_autoep_engine_step_with_and_without_the_stash(tmp_path):
+    import os
+
+    import deepspeed
+
+    if tuple(int(part) for part in transformers.__version__.split(".")[:2]) >= (5, 23):
+        pytest.skip("DeepSpeed 0.19.8's AutoEP fails in deepspeed.initialize with transformers >= 5.23")
+    for variable, default in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
+                              ("MASTER_PORT", "29511")):
+        os.environ.setdefault(variable, default)
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "bf16": {
+            "enabled": True
+        },
+        "optimizer": {
+            "type": "AdamW",
+            "params": {
+                "lr": 1e-4,
+                "torch_adam": True
+            }
+        },
+        "expert_parallel": {
+            "enabled": True,
+            "autoep_size": 1,
+            "preset_model": "mixtral"
+        },
+    }
+    ids = _ids(sequence=256).cuda()
+
+    def run(num_layers):
+        config_ = MixtralConfig(vocab_size=128,
+                                hidden_size=1024,
+                                intermediate_size=256,
+                                num_hidden_layers=2,
+                                num_attention_heads=8,
+                                num_key_value_heads=8,
+                                num_local_experts=4,
+                                num_experts_per_tok=2,
+                                max_position_embeddings=256,
+                                attn_implementation="sdpa")
+        torch.manual_seed(0)
+        model = _checkpoint(MixtralForCausalLM(config_))
+        handle = install_attention_stash(model, num_layers) if num_layers else None
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        grads = {
+            name: deepspeed.utils.safe_get_full_grad(param).float().clone()
+            for name, param in engine.module.named_parameters() if "self_attn" in name
+        }
+        engine.step()
+        if handle is not None:
+            assert handle.num_kept == 0
+            handle.remove()
+        return loss.detach().float(), grads
+
+    expected_loss, expected = run(0)
+    loss, grads = run(2)
+    assert torch.equal(loss, expected_loss)
+    for name, grad in grads.items():
+        # Only dQ differs, by cuDNN's nondeterministic accumulation order; 1e-2 relative L2 bounds it generously.
+        assert (grad - expected[name]).norm() <= 1e-2 * expected[name].norm(), name
