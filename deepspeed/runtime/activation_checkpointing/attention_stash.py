@@ -178,7 +178,9 @@ class _LayerStash:
         key = _input_key(layer_input)
         if key in self.kept:
             raise RuntimeError(f"{_FEATURE} needs a distinct input for each forward of {self.name} before its "
-                               f"backward, got the same tensor twice. Pass a new tensor to each forward.")
+                               f"backward and one attention call per forward, got a second output for one input: the "
+                               f"same tensor passed to two forwards (pass a new tensor to each), or a layer that calls "
+                               f"attention twice (remove the stash from it).")
         # A forward whose graph is freed without a backward frees its input with it; its output goes too.
         kept.finalizer = weakref.finalize(layer_input, self.kept.pop, key, None)
         self.kept[key] = kept
