@@ -177,10 +177,11 @@ class _LayerStash:
     def keep(self, layer_input, kept):
         key = _input_key(layer_input)
         if key in self.kept:
-            raise RuntimeError(f"{_FEATURE} needs a distinct input for each forward of {self.name} before its "
-                               f"backward and one attention call per forward, got a second output for one input: the "
-                               f"same tensor passed to two forwards (pass a new tensor to each), or a layer that calls "
-                               f"attention twice (remove the stash from it).")
+            raise RuntimeError(
+                f"{_FEATURE} needs a distinct input for each forward of {self.name} before its "
+                f"backward and one attention call per forward, got a second output for one input: the "
+                f"same tensor passed to two forwards (pass a new tensor to each), or a layer that calls "
+                f"attention twice (remove the stash from it).")
         # A forward whose graph is freed without a backward frees its input with it; its output goes too.
         kept.finalizer = weakref.finalize(layer_input, self.kept.pop, key, None)
         self.kept[key] = kept
@@ -382,6 +383,17 @@ class AttentionStashHandle:
     def num_kept(self):
         """Attention outputs kept now, waiting for their recompute."""
         return sum(len(stash.kept) for stash in self._stashes)
+
+    @property
+    def kept_bytes(self):
+        """Bytes of memory the kept outputs and their saved tensors hold now."""
+        storages = {
+            tensor.untyped_storage().data_ptr(): tensor.untyped_storage().nbytes()
+            for stash in self._stashes
+            for kept in stash.kept.values()
+            for tensor in (kept.out, *kept.tensors) if tensor is not None
+        }
+        return sum(storages.values())
 
     def remove(self):
         """Uninstall: drop kept outputs and hooks; Hugging Face's sdpa entry returns when no stash is left."""

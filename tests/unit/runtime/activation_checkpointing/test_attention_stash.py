@@ -150,6 +150,19 @@ def test_matches_normal_recompute(install, model_name, num_layers, dtype):
     _assert_same(_grads(model), expected)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_kept_bytes_are_one_output_and_its_lse_per_layer(install, dtype):
+    model = _checkpoint(_qwen3_moe(dtype))
+    handle = install(model, 2)
+    batch, sequence, heads, head_dim = 3, 40, 4, 16
+    loss = model(input_ids=_ids(batch=batch, sequence=sequence), labels=_ids(batch=batch, sequence=sequence)).loss
+    # The output in the model's dtype, the log-sum-exp in FP32; grouped key/value heads do not count.
+    per_layer = batch * heads * sequence * (head_dim * dtype.itemsize + 4)
+    assert handle.kept_bytes == 2 * per_layer
+    loss.backward()
+    assert handle.kept_bytes == 0
+
+
 def test_checkpointing_enabled_after_install(install):
     """The Hugging Face Trainer enables checkpointing itself, after the user's install."""
     model = _checkpoint(_qwen3_moe())

@@ -1,0 +1,537 @@
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""Benchmark of the attention stash against plain reentrant recompute and PyTorch selective checkpointing.
+
+Trains a Hugging Face Qwen3-MoE model built from a config (no download) through a DeepSpeed engine with per-layer
+checkpointing, in one process, arm after arm: plain reentrant recompute, the stash on half and on all layers, and
+selective activation checkpointing that saves the SDPA kernel's outputs. The arms run in order, then in reverse, to
+expose drift. Every run starts from the same weights and optimizer state and trains on the same batches, so the losses
+of all arms must agree.
+
+The op-level gate times the attention forward kernel at the model's shapes: the most the stash can save per stashed
+layer and micro-batch. The table printed last is what a reviewer pastes into a pull request.
+
+    python tests/benchmarks/attention_stash_bench.py                       # CPU default, a few minutes on 2 cores
+    python tests/benchmarks/attention_stash_bench.py --preset qwen3-30b-a3b # one GPU, Qwen3-30B-A3B attention shapes
+"""
+
+import argparse
+import contextlib
+import copy
+import functools
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+PRESETS = {
+    # Attention is a large share of a CPU step only at long sequences; GQA as in Qwen3-MoE.
+    "cpu":
+    dict(device="cpu",
+         dtype="float32",
+         layers=4,
+         sequence=2048,
+         micro_batch=1,
+         hidden=256,
+         heads=8,
+         kv_heads=2,
+         head_dim=64,
+         experts=4,
+         top_k=2,
+         moe_intermediate=128,
+         vocab=1024,
+         warmup=1,
+         steps=6),
+    # Qwen3-30B-A3B's attention (32 query heads, 4 key/value heads, head dim 128, hidden 2048) at its training shape,
+    # with fewer layers and experts to fit one GPU.
+    "qwen3-30b-a3b":
+    dict(device="cuda",
+         dtype="bfloat16",
+         layers=8,
+         sequence=4096,
+         micro_batch=4,
+         hidden=2048,
+         heads=32,
+         kv_heads=4,
+         head_dim=128,
+         experts=16,
+         top_k=8,
+         moe_intermediate=768,
+         vocab=32768,
+         warmup=2,
+         steps=6),
+}
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
+    for name in ("layers", "sequence", "micro_batch", "warmup", "steps", "experts"):
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, help="overrides the preset")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="overrides the preset")
+    parser.add_argument("--device", choices=["cpu", "cuda"], help="overrides the preset; must be DeepSpeed's")
+    parser.add_argument("--autoep", action="store_true", help="AutoEP (autoep_size 1); needs transformers <= 5.22")
+    parser.add_argument("--no-sac",
+                        action="store_true",
+                        help="skip the selective activation checkpointing arm and its non-reentrant control")
+    parser.add_argument("--json", metavar="PATH", help="write the numbers as JSON")
+    parser.add_argument("--plot", metavar="PATH", help="write a PNG of step time and peak memory (needs matplotlib)")
+    args = parser.parse_args(argv)
+    settings = dict(PRESETS[args.preset])
+    for name in ("layers", "sequence", "micro_batch", "warmup", "steps", "experts", "dtype", "device"):
+        if getattr(args, name) is not None:
+            settings[name] = getattr(args, name)
+    settings["top_k"] = min(settings["top_k"], settings["experts"])
+    if settings["layers"] < 2 or settings["steps"] < 1 or settings["warmup"] < 1:
+        parser.error("needs at least 2 layers, 1 warm-up step and 1 timed step")
+    return args, settings
+
+
+def _init_deepspeed(device):
+    import deepspeed.runtime.activation_checkpointing as activation_checkpointing
+
+    # Run this tree's module, not an older installed copy.
+    tree = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "deepspeed",
+                        "runtime", "activation_checkpointing")
+    if os.path.isfile(os.path.join(tree, "attention_stash.py")) and tree not in activation_checkpointing.__path__:
+        activation_checkpointing.__path__.insert(0, tree)
+    for variable, default in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
+                              ("MASTER_PORT", "29517")):
+        os.environ.setdefault(variable, default)
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator().device_name()
+    if accelerator != device:
+        sys.exit(
+            f"attention_stash_bench needs DeepSpeed's accelerator to be the benchmark's device, got {accelerator} "
+            f"for --device {device}. Set DS_ACCELERATOR={device} or pass --device {accelerator}.")
+    return deepspeed
+
+
+def build_model(settings):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(vocab_size=settings["vocab"],
+                            hidden_size=settings["hidden"],
+                            intermediate_size=settings["moe_intermediate"] * 2,
+                            moe_intermediate_size=settings["moe_intermediate"],
+                            num_hidden_layers=settings["layers"],
+                            num_attention_heads=settings["heads"],
+                            num_key_value_heads=settings["kv_heads"],
+                            head_dim=settings["head_dim"],
+                            num_experts=settings["experts"],
+                            num_experts_per_tok=settings["top_k"],
+                            max_position_embeddings=settings["sequence"],
+                            attn_implementation="sdpa")
+    torch.manual_seed(0)
+    # Built on its device: initializing the GPU preset's weights on the CPU would take longer than the benchmark.
+    with torch.device(settings["device"]):
+        return Qwen3MoeForCausalLM(config).to(getattr(torch, settings["dtype"]))
+
+
+def _save_sdpa_outputs_policy():
+    """Selective checkpointing policy: keep what the fused SDPA kernels return, recompute everything else."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    aten = torch.ops.aten
+    saved = {
+        getattr(aten, name).default
+        for name in ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_cudnn_attention",
+                     "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention")
+        if hasattr(aten, name)
+    }
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+def set_checkpointing(model, kind):
+    """Per-layer checkpointing: reentrant for the stash and plain arms, non-reentrant for the others."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    kwargs = {"use_reentrant": kind in ("plain", "stash")}
+    if kind == "selective":
+        kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _save_sdpa_outputs_policy())
+    # transformers 5.23 renamed gradient_checkpointing_enable, keeping the old name as a deprecated alias.
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_disable()
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_disable()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    model.train()
+
+
+class _PeakRss:
+    """Samples the process's resident set size; on CPU the allocator's caching blurs it, so it is reported as is."""
+
+    def __init__(self):
+        import psutil
+
+        self._process = psutil.Process()
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self._process.memory_info().rss)
+            self._stop.wait(0.002)
+
+    def __enter__(self):
+        self.peak = self._process.memory_info().rss
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+class _LiveTensorBytes(TorchDispatchMode):
+    """Peak bytes of tensor storage created during a step and still alive: CPU's stand-in for CUDA's max allocated.
+
+    Every aten op's outputs are counted once per storage until the last tensor on that storage is freed. Tensors made
+    before the step (parameters, optimizer state, the batch) are not counted. Python runs on every op, so only an
+    untimed step runs under it.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self._storages = {}  # data pointer -> [bytes, tensors alive on it]
+
+    def _release(self, pointer):
+        entry = self._storages[pointer]
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.live -= entry[0]
+            del self._storages[pointer]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in torch.utils._pytree.tree_leaves(out):
+            if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu":
+                continue
+            storage = tensor.untyped_storage()
+            pointer = storage.data_ptr()
+            if pointer == 0:
+                continue
+            entry = self._storages.setdefault(pointer, [storage.nbytes(), 0])
+            if entry[1] == 0:
+                self.live += entry[0]
+                self.peak = max(self.peak, self.live)
+            entry[1] += 1
+            weakref.finalize(tensor, self._release, pointer)
+        return out
+
+
+def _synchronize(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def attention_forward_ms(settings, repeats=7):
+    """The op-level gate: the attention forward the recompute runs, at the model's shapes, as F.sdpa dispatches it."""
+    device, dtype = settings["device"], getattr(torch, settings["dtype"])
+    generator = torch.Generator(device=device).manual_seed(0)
+
+    def projected(heads):
+        # Laid out as Hugging Face's attention passes them: a projection's output viewed per head and transposed.
+        shape = (settings["micro_batch"], settings["sequence"], heads, settings["head_dim"])
+        return torch.randn(shape, device=device, dtype=dtype, generator=generator).transpose(1, 2).requires_grad_()
+
+    query, key, value = projected(settings["heads"]), projected(settings["kv_heads"]), projected(settings["kv_heads"])
+    times = []
+    for _ in range(repeats + 1):
+        _synchronize(device)
+        start = time.perf_counter()
+        # With inputs that require grad, as in the recompute, so the kernel computes its log-sum-exp too.
+        torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, enable_gqa=True)
+        _synchronize(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times[1:])
+
+
+def kept_bytes_formula(settings):
+    """One attention output in the model's dtype plus its FP32 log-sum-exp, per stashed layer and micro-batch."""
+    rows = settings["micro_batch"] * settings["heads"] * settings["sequence"]
+    return rows * settings["head_dim"] * getattr(torch, settings["dtype"]).itemsize + rows * 4
+
+
+def run_arm(engine, initial, batches, settings, arm):
+    from deepspeed.runtime.activation_checkpointing.attention_stash import install_attention_stash
+
+    device = settings["device"]
+    model = engine.module
+    engine.module.load_state_dict(initial["module"])
+    engine.optimizer.load_state_dict(copy.deepcopy(initial["optimizer"]))
+    set_checkpointing(model, arm["kind"])
+    handle = install_attention_stash(model, arm["stashed"]) if arm["stashed"] else None
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times, losses, kept, peak_live, peak_rss = [], [], [], None, None
+    try:
+        for index, ids in enumerate(batches):
+            # On CPU the first, untimed step measures memory: live tensor bytes and the process's resident set.
+            measure = device == "cpu" and index == 0
+            live, rss = (_LiveTensorBytes(), _PeakRss()) if measure else (contextlib.nullcontext(), ) * 2
+            _synchronize(device)
+            start = time.perf_counter()
+            with rss, live:
+                loss = engine(input_ids=ids, labels=ids).loss
+                if handle is not None:
+                    kept.append(handle.kept_bytes)
+                engine.backward(loss)
+                engine.step()
+            _synchronize(device)
+            elapsed = (time.perf_counter() - start) * 1e3
+            losses.append(loss.item())
+            if measure:
+                peak_live, peak_rss = live.peak, rss.peak
+            if index >= settings["warmup"]:
+                times.append(elapsed)
+            if handle is not None and handle.num_kept:
+                raise RuntimeError(f"{handle.num_kept} stashed outputs left after the backward")
+    finally:
+        if handle is not None:
+            handle.remove()
+    return {
+        "times_ms": times,
+        "median_ms": statistics.median(times),
+        "losses": losses,
+        "kept_bytes": max(kept, default=0),
+        "peak_allocated_bytes": torch.cuda.max_memory_allocated() if device == "cuda" else None,
+        "peak_rss_bytes": peak_rss,
+        "peak_live_bytes": peak_live,
+    }
+
+
+def summarize(settings, arms, runs, attention_ms):
+    by_arm = []
+    plain = None
+    for arm in arms:
+        results = [run for label, run in runs if label == arm["label"]]
+        median = statistics.median([t for run in results for t in run["times_ms"]])
+        row = {
+            **arm,
+            "run_medians_ms": [run["median_ms"] for run in results],
+            "median_ms":
+            median,
+            "spread_ms":
+            [min(t for run in results for t in run["times_ms"]),
+             max(t for run in results for t in run["times_ms"])],
+            "peak_allocated_bytes":
+            max((run["peak_allocated_bytes"] or 0) for run in results) or None,
+            "peak_rss_bytes":
+            max(run["peak_rss_bytes"] for run in results),
+            "peak_live_bytes":
+            max((run["peak_live_bytes"] or 0) for run in results) or None,
+            "kept_bytes":
+            max(run["kept_bytes"] for run in results),
+            "losses": [run["losses"] for run in results],
+        }
+        if arm["kind"] == "plain":
+            plain = row
+        by_arm.append(row)
+    for row in by_arm:
+        row["vs_plain"] = row["median_ms"] / plain["median_ms"] - 1.0
+        if row["kind"] == "stash":
+            row["saved_per_layer_ms"] = (plain["median_ms"] - row["median_ms"]) / row["stashed"]
+            row["saved_fraction_of_attention"] = row["saved_per_layer_ms"] / attention_ms
+            row["kept_per_layer_bytes"] = row["kept_bytes"] / row["stashed"]
+
+    # Same-arm repeat noise against the spread across arms, step by step.
+    repeat_noise = max(
+        abs(a - b) for row in by_arm for first, second in [row["losses"]] for a, b in zip(first, second))
+    reference = plain["losses"][0]
+    cross_arm = max(abs(a - b) for row in by_arm for losses in row["losses"] for a, b in zip(losses, reference))
+    return by_arm, repeat_noise, cross_arm
+
+
+def _memory_columns(device):
+    if device == "cuda":
+        return [("peak alloc", "peak_allocated_bytes")]
+    return [("peak live", "peak_live_bytes"), ("peak RSS", "peak_rss_bytes")]
+
+
+def format_table(settings, by_arm, attention_ms, repeat_noise, cross_arm):
+    device = settings["device"]
+    columns = _memory_columns(device)
+    header = (f"{'arm':<24}{'stashed':>6}  {'run medians (ms)':<22}{'median (ms)':>12}{'vs plain':>10}" +
+              "".join(f"{label:>15}" for label, _ in columns) + f"{'kept/layer':>14}")
+    lines = [header, "-" * len(header)]
+    for row in by_arm:
+        kept = f"{row['kept_per_layer_bytes'] / 2**20:.2f} MiB" if row["kind"] == "stash" else "-"
+        lines.append(f"{row['label']:<24}{row['stashed'] if row['kind'] in ('plain', 'stash') else '-':>6}  "
+                     f"{' / '.join(f'{m:,.1f}' for m in row['run_medians_ms']):<22}{row['median_ms']:>12,.1f}"
+                     f"{row['vs_plain']:>+10.2%}" + "".join(f"{row[key] / 2**20:>11,.1f} MiB"
+                                                            for _, key in columns) + f"{kept:>14}")
+    formula = kept_bytes_formula(settings)
+    lines.append("")
+    lines.append(f"attention forward (op-level gate): {attention_ms:.2f} ms per layer and micro-batch, query "
+                 f"({settings['micro_batch']}, {settings['heads']}, {settings['sequence']}, {settings['head_dim']}), "
+                 f"{settings['kv_heads']} key/value heads, {settings['dtype']}, {device}")
+    for row in by_arm:
+        if row["kind"] == "stash":
+            lines.append(
+                f"saved per stashed layer and micro-batch, {row['stashed']} layers: "
+                f"{row['saved_per_layer_ms']:.2f} ms = {row['saved_fraction_of_attention']:.0%} of the "
+                f"attention forward; kept {row['kept_per_layer_bytes']:,.0f} B per layer against the formula's "
+                f"{formula:,} B (output + FP32 LSE), {row['kept_per_layer_bytes'] / formula - 1:+.2%}")
+    kinds = {row["kind"]: row for row in by_arm if row["kind"] != "stash"}
+    if "selective" in kinds:
+        full = max((row for row in by_arm if row["kind"] == "stash"), key=lambda row: row["stashed"])
+        selective, label, key = kinds["selective"], columns[0][0], columns[0][1]
+        lines.append(f"stash on all {full['stashed']} layers against selective AC: step time "
+                     f"{full['median_ms'] / selective['median_ms'] - 1:+.2%}, {label} "
+                     f"{(full[key] - selective[key]) / 2**20:+,.1f} MiB; each over its own checkpointing without "
+                     f"saving: stash {(full[key] - kinds['plain'][key]) / 2**20:+,.1f} MiB over reentrant, selective "
+                     f"AC {(selective[key] - kinds['non_reentrant'][key]) / 2**20:+,.1f} MiB over non-reentrant")
+    agree = "agree" if cross_arm <= repeat_noise else "DIFFER"
+    lines.append(f"losses: largest difference across arms {cross_arm:.3g}, same-arm repeat noise {repeat_noise:.3g}: "
+                 f"arms {agree}")
+    if device == "cpu":
+        lines.append("peak live: tensor storage created during a step and alive at once; peak RSS: the process, "
+                     "blurred by the allocator's caching; both in each run's untimed first step")
+    return "\n".join(lines)
+
+
+def plot(path, settings, by_arm):
+    try:
+        import matplotlib
+    except ImportError:
+        sys.exit("attention_stash_bench --plot needs matplotlib: pip install matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    stash = sorted((row for row in by_arm if row["kind"] in ("plain", "stash")), key=lambda row: row["stashed"])
+    memory_label, memory_key = _memory_columns(settings["device"])[0]
+    mib = 2**20
+    figure, (time_axis, memory_axis) = plt.subplots(1, 2, figsize=(10, 4))
+    layers = [row["stashed"] for row in stash]
+    time_axis.plot(layers, [row["median_ms"] for row in stash], "o-", label="attention stash")
+    memory_axis.plot(layers, [row[memory_key] / mib for row in stash], "o-", label="attention stash")
+    for row, style in ((row, style) for row in by_arm for kind, style in (("non_reentrant", ":"), ("selective", "--"))
+                       if row["kind"] == kind):
+        time_axis.axhline(row["median_ms"], color="gray", linestyle=style, label=row["label"])
+        memory_axis.axhline(row[memory_key] / mib, color="gray", linestyle=style, label=row["label"])
+    time_axis.set(xlabel="stashed layers", ylabel="median step time (ms)")
+    memory_axis.set(xlabel="stashed layers", ylabel=f"{memory_label} (MiB)")
+    for axis in (time_axis, memory_axis):
+        axis.set_xticks(layers)
+        axis.legend()
+    figure.suptitle(f"attention stash, {settings['layers']} layers, sequence {settings['sequence']}, micro-batch "
+                    f"{settings['micro_batch']}, {settings['dtype']} on {settings['device']}")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def main(argv=None):
+    args, settings = parse_args(argv)
+    if settings["device"] == "cpu":
+        torch.set_num_threads(max(1, os.cpu_count() or 1))
+    deepspeed = _init_deepspeed(settings["device"])
+    import transformers
+
+    config = {
+        "train_micro_batch_size_per_gpu": settings["micro_batch"],
+        "gradient_accumulation_steps": 1,
+        "optimizer": {
+            "type": "AdamW",
+            "params": {
+                "lr": 1e-4,
+                "torch_adam": True
+            }
+        },
+        "zero_optimization": {
+            "stage": 0
+        },
+    }
+    if args.autoep:
+        if tuple(int(part) for part in transformers.__version__.split(".")[:2]) >= (5, 23):
+            sys.exit(f"attention_stash_bench --autoep needs transformers <= 5.22 with DeepSpeed's AutoEP, got "
+                     f"{transformers.__version__}.")
+        config["expert_parallel"] = {"enabled": True, "autoep_size": 1, "preset_model": "qwen3_moe"}
+
+    model = build_model(settings)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    initial = {
+        "module": {
+            name: tensor.detach().clone()
+            for name, tensor in engine.module.state_dict().items()
+        },
+        "optimizer": copy.deepcopy(engine.optimizer.state_dict()),
+    }
+    generator = torch.Generator().manual_seed(1)
+    batches = [
+        torch.randint(0, settings["vocab"], (settings["micro_batch"], settings["sequence"]),
+                      generator=generator).to(settings["device"])
+        for _ in range(settings["warmup"] + settings["steps"])
+    ]
+
+    half, full = settings["layers"] // 2, settings["layers"]
+    arms = [
+        dict(label="plain recompute", kind="plain", stashed=0),
+        dict(label=f"stash {half} layers", kind="stash", stashed=half),
+        dict(label=f"stash {full} layers", kind="stash", stashed=full),
+    ]
+    if not args.no_sac:
+        # Selective checkpointing builds on non-reentrant checkpointing; its plain form is the control that separates
+        # what saving the SDPA outputs costs from what the other checkpoint implementation costs.
+        arms.append(dict(label="non-reentrant recompute", kind="non_reentrant", stashed=0))
+        arms.append(dict(label="selective AC (SDPA)", kind="selective", stashed=0))
+    order = arms + arms[::-1]
+    runs = []
+    for index, arm in enumerate(order, 1):
+        run = run_arm(engine, initial, batches, settings, arm)
+        runs.append((arm["label"], run))
+        print(
+            f"[{index}/{len(order)}] {arm['label']}: median {run['median_ms']:,.1f} ms, losses "
+            f"{', '.join(f'{loss:.6f}' for loss in run['losses'])}",
+            flush=True)
+    attention_ms = attention_forward_ms(settings)
+    by_arm, repeat_noise, cross_arm = summarize(settings, arms, runs, attention_ms)
+
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump(
+                {
+                    "settings": settings,
+                    "versions": {
+                        "torch": torch.__version__,
+                        "transformers": transformers.__version__,
+                        "deepspeed": deepspeed.__version__
+                    },
+                    "autoep": args.autoep,
+                    "attention_forward_ms": attention_ms,
+                    "kept_bytes_formula": kept_bytes_formula(settings),
+                    "loss_repeat_noise": repeat_noise,
+                    "loss_cross_arm": cross_arm,
+                    "arms": by_arm,
+                },
+                file,
+                indent=2)
+    if args.plot:
+        plot(args.plot, settings, by_arm)
+    print()
+    print(f"attention stash benchmark: Qwen3-MoE {settings['layers']} layers, {settings['experts']} experts "
+          f"(top {settings['top_k']}), sequence {settings['sequence']}, micro-batch {settings['micro_batch']}, "
+          f"{settings['dtype']} on {settings['device']}, {settings['steps']} timed steps after "
+          f"{settings['warmup']} per run{', AutoEP' if args.autoep else ''}; torch {torch.__version__}, "
+          f"transformers {transformers.__version__}, deepspeed {deepspeed.__version__}")
+    print(format_table(settings, by_arm, attention_ms, repeat_noise, cross_arm))
+
+
+if __name__ == "__main__":
+    main()
