@@ -11,104 +11,17 @@ comparison is bitwise: the stash replays the same deterministic kernels on the s
 import gc
 import os
 import weakref
-from collections import Counter
-
 import pytest
 import torch
 import transformers
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils._python_dispatch import TorchDispatchMode
-from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from deepspeed.runtime.activation_checkpointing import attention_stash
 from deepspeed.runtime.activation_checkpointing.attention_stash import install_attention_stash
 
-NUM_LAYERS = 3
-CPU_FORWARD = "_scaled_dot_product_flash_attention_for_cpu.default"
-CPU_BACKWARD = "_scaled_dot_product_flash_attention_for_cpu_backward.default"
-
-
-def _mixtral(dtype=torch.float32, **overrides):
-    config = dict(vocab_size=128,
-                  hidden_size=64,
-                  intermediate_size=64,
-                  num_hidden_layers=NUM_LAYERS,
-                  num_attention_heads=4,
-                  num_key_value_heads=2,
-                  num_local_experts=4,
-                  num_experts_per_tok=2,
-                  max_position_embeddings=64,
-                  attn_implementation="sdpa")
-    torch.manual_seed(0)
-    return MixtralForCausalLM(MixtralConfig(**{**config, **overrides})).to(dtype)
-
-
-def _qwen3_moe(dtype=torch.float32, **overrides):
-    # Qwen3-MoE adds norms of the queries and keys before RoPE.
-    config = dict(vocab_size=128,
-                  hidden_size=64,
-                  intermediate_size=64,
-                  moe_intermediate_size=32,
-                  num_hidden_layers=NUM_LAYERS,
-                  num_attention_heads=4,
-                  num_key_value_heads=2,
-                  head_dim=16,
-                  num_experts=4,
-                  num_experts_per_tok=2,
-                  max_position_embeddings=64,
-                  attn_implementation="sdpa")
-    torch.manual_seed(0)
-    return Qwen3MoeForCausalLM(Qwen3MoeConfig(**{**config, **overrides})).to(dtype)
-
-
-MODELS = {"mixtral": _mixtral, "qwen3_moe": _qwen3_moe}
-
-
-def _checkpoint(model, use_reentrant=True):
-    # transformers 5.23 renamed gradient_checkpointing_enable, keeping the old name as a deprecated alias.
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": use_reentrant})
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
-    model.train()
-    return model
-
-
-def _ids(seed=1, batch=2, sequence=32):
-    return torch.randint(0, 128, (batch, sequence), generator=torch.Generator().manual_seed(seed))
-
-
-def _grads(model):
-    return {name: param.grad.clone() for name, param in model.named_parameters() if param.grad is not None}
-
-
-def _step(model, ids):
-    model.zero_grad(set_to_none=True)
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    return loss.detach(), _grads(model)
-
-
-def _assert_same(grads, expected):
-    assert grads.keys() == expected.keys()
-    for name, grad in grads.items():
-        assert torch.equal(grad, expected[name]), name
-
-
-class _CountOps(TorchDispatchMode):
-    """Counts aten calls; CPU backward runs on the calling thread, so it sees the recompute too."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = Counter()
-        self.key_heads = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.calls[func.__name__] += 1
-        if func.__name__ == CPU_FORWARD:
-            self.key_heads.add(args[1].shape[1])
-        return func(*args, **(kwargs or {}))
+from attention_stash_helpers import (CPU_BACKWARD, CPU_FORWARD, MODELS, NUM_LAYERS, CountOps, assert_same_grads,
+                                     batch_ids, checkpointed, mixtral_model, param_grads, qwen3_moe_model, train_step)
 
 
 @pytest.fixture
@@ -131,31 +44,32 @@ def install():
 @pytest.mark.parametrize("num_layers", [1, NUM_LAYERS])
 @pytest.mark.parametrize("model_name", sorted(MODELS))
 def test_matches_normal_recompute(install, model_name, num_layers, dtype):
-    model = _checkpoint(MODELS[model_name](dtype))
-    ids = _ids()
-    expected_loss, expected = _step(model, ids)
+    model = checkpointed(MODELS[model_name](dtype))
+    ids = batch_ids()
+    expected_loss, expected = train_step(model, ids)
 
     handle = install(model, num_layers)
     assert handle.layers == tuple(f"model.layers.{i}" for i in range(NUM_LAYERS - num_layers, NUM_LAYERS))
     model.zero_grad(set_to_none=True)
     loss = model(input_ids=ids, labels=ids).loss
     assert handle.num_kept == num_layers
-    with _CountOps() as counted:
+    with CountOps() as counted:
         loss.backward()
     # The recompute runs the attention forward kernel only in the layers without a stash.
     assert counted.calls[CPU_FORWARD] == NUM_LAYERS - num_layers
     assert counted.calls[CPU_BACKWARD] == NUM_LAYERS
     assert handle.num_kept == 0
     assert torch.equal(loss.detach(), expected_loss)
-    _assert_same(_grads(model), expected)
+    assert_same_grads(param_grads(model), expected)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_kept_bytes_are_one_output_and_its_lse_per_layer(install, dtype):
-    model = _checkpoint(_qwen3_moe(dtype))
+    model = checkpointed(qwen3_moe_model(dtype))
     handle = install(model, 2)
     batch, sequence, heads, head_dim = 3, 40, 4, 16
-    loss = model(input_ids=_ids(batch=batch, sequence=sequence), labels=_ids(batch=batch, sequence=sequence)).loss
+    loss = model(input_ids=batch_ids(batch=batch, sequence=sequence), labels=batch_ids(batch=batch,
+                                                                                       sequence=sequence)).loss
     # The output in the model's dtype, the log-sum-exp in FP32; grouped key/value heads do not count.
     per_layer = batch * heads * sequence * (head_dim * dtype.itemsize + 4)
     assert handle.kept_bytes == 2 * per_layer
@@ -165,18 +79,18 @@ def test_kept_bytes_are_one_output_and_its_lse_per_layer(install, dtype):
 
 def test_checkpointing_enabled_after_install(install):
     """The Hugging Face Trainer enables checkpointing itself, after the user's install."""
-    model = _checkpoint(_qwen3_moe())
-    ids = _ids()
-    expected_loss, expected = _step(model, ids)
-    model = _qwen3_moe().train()
+    model = checkpointed(qwen3_moe_model())
+    ids = batch_ids()
+    expected_loss, expected = train_step(model, ids)
+    model = qwen3_moe_model().train()
     handle = install(model, NUM_LAYERS)
-    _checkpoint(model)
+    checkpointed(model)
     model.zero_grad(set_to_none=True)
     loss = model(input_ids=ids, labels=ids).loss
     assert handle.num_kept == NUM_LAYERS
     loss.backward()
     assert torch.equal(loss.detach(), expected_loss)
-    _assert_same(_grads(model), expected)
+    assert_same_grads(param_grads(model), expected)
 
 
 class _Identity(torch.autograd.Function):
@@ -193,9 +107,9 @@ class _Identity(torch.autograd.Function):
 def test_other_pre_hooks_replacing_the_layer_input(install):
     """ZeRO-3 passes each module's inputs through an autograd function in a forward pre-hook; a stash installed after
     deepspeed.initialize must still key by the layer's own input."""
-    model = _checkpoint(_mixtral())
-    ids = _ids()
-    expected_loss, expected = _step(model, ids)
+    model = checkpointed(mixtral_model())
+    ids = batch_ids()
+    expected_loss, expected = train_step(model, ids)
     for layer in model.model.layers:
         layer.register_forward_pre_hook(lambda module, args: (_Identity.apply(args[0]), *args[1:]))
     handle = install(model, NUM_LAYERS)
@@ -204,7 +118,7 @@ def test_other_pre_hooks_replacing_the_layer_input(install):
     assert handle.num_kept == NUM_LAYERS
     loss.backward()
     assert torch.equal(loss.detach(), expected_loss)
-    _assert_same(_grads(model), expected)
+    assert_same_grads(param_grads(model), expected)
 
 
 def test_grouped_heads_either_way(install, monkeypatch):
@@ -213,19 +127,19 @@ def test_grouped_heads_either_way(install, monkeypatch):
 
     for key_heads, use_gqa in ((2, True), (4, False)):
         monkeypatch.setattr(hf_sdpa, "use_gqa_in_sdpa", lambda *args, **kwargs: use_gqa)
-        model = _checkpoint(_qwen3_moe())
-        ids = _ids()
-        expected_loss, expected = _step(model, ids)
+        model = checkpointed(qwen3_moe_model())
+        ids = batch_ids()
+        expected_loss, expected = train_step(model, ids)
         handle = install(model, NUM_LAYERS)
         model.zero_grad(set_to_none=True)
-        with _CountOps() as forward:
+        with CountOps() as forward:
             loss = model(input_ids=ids, labels=ids).loss
-        with _CountOps() as backward:
+        with CountOps() as backward:
             loss.backward()
         # 4 query heads reach the kernel with 2 key/value heads, or with 4 repeated ones.
         assert forward.key_heads == {key_heads} and backward.calls[CPU_FORWARD] == 0
         assert torch.equal(loss.detach(), expected_loss)
-        _assert_same(_grads(model), expected)
+        assert_same_grads(param_grads(model), expected)
         handle.remove()
 
 
@@ -234,27 +148,27 @@ def test_each_recompute_takes_its_own_output(install):
 
     def schedule(model):
         model.zero_grad(set_to_none=True)
-        first = model(input_ids=_ids(seed=1), labels=_ids(seed=1)).loss
-        second = model(input_ids=_ids(seed=2), labels=_ids(seed=2)).loss
+        first = model(input_ids=batch_ids(seed=1), labels=batch_ids(seed=1)).loss
+        second = model(input_ids=batch_ids(seed=2), labels=batch_ids(seed=2)).loss
         second.backward()
-        after_second = _grads(model)
+        after_second = param_grads(model)
         first.backward()
-        return first.detach(), second.detach(), after_second, _grads(model)
+        return first.detach(), second.detach(), after_second, param_grads(model)
 
-    model = _checkpoint(_mixtral())
+    model = checkpointed(mixtral_model())
     expected = schedule(model)
     handle = install(model, NUM_LAYERS)
     got = schedule(model)
     assert handle.num_kept == 0
     assert not torch.equal(expected[0], expected[1])
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
-    _assert_same(got[2], expected[2])
-    _assert_same(got[3], expected[3])
+    assert_same_grads(got[2], expected[2])
+    assert_same_grads(got[3], expected[3])
 
 
 def test_forwards_without_backward_keep_nothing(install):
-    model = _checkpoint(_mixtral())
-    ids = _ids()
+    model = checkpointed(mixtral_model())
+    ids = batch_ids()
     with torch.no_grad():
         expected_logits = model(input_ids=ids).logits
     expected_tokens = model.generate(ids[:, :8], max_new_tokens=4, do_sample=False)
@@ -283,21 +197,21 @@ def test_forwards_without_backward_keep_nothing(install):
 
 
 def test_autocast_matches_normal_recompute(install):
-    model = _checkpoint(_qwen3_moe())
-    ids = _ids()
+    model = checkpointed(qwen3_moe_model())
+    ids = batch_ids()
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        expected_loss, expected = _step(model, ids)
+        expected_loss, expected = train_step(model, ids)
         install(model, NUM_LAYERS)
-        loss, grads = _step(model, ids)
+        loss, grads = train_step(model, ids)
     assert torch.equal(loss, expected_loss)
-    _assert_same(grads, expected)
+    assert_same_grads(grads, expected)
 
 
 def test_remove_restores_stock_behaviour(install):
     stock = ALL_ATTENTION_FUNCTIONS["sdpa"]
-    first, second = _checkpoint(_mixtral()), _checkpoint(_qwen3_moe())
-    ids = _ids()
-    expected_loss, expected = _step(first, ids)
+    first, second = checkpointed(mixtral_model()), checkpointed(qwen3_moe_model())
+    ids = batch_ids()
+    expected_loss, expected = train_step(first, ids)
 
     handle = install(first, 2)
     other = install(second, 1)
@@ -314,19 +228,19 @@ def test_remove_restores_stock_behaviour(install):
     first(input_ids=ids, labels=ids).loss.backward()
 
     # Install, remove, install again.
-    _checkpoint(first)
+    checkpointed(first)
     again = install(first, NUM_LAYERS)
-    loss, grads = _step(first, ids)
+    loss, grads = train_step(first, ids)
     assert torch.equal(loss, expected_loss)
-    _assert_same(grads, expected)
+    assert_same_grads(grads, expected)
     again.remove()
     assert ALL_ATTENTION_FUNCTIONS["sdpa"] is stock
 
 
 def test_recompute_releases_each_output_during_the_backward(install):
-    model = _checkpoint(_mixtral())
+    model = checkpointed(mixtral_model())
     handle = install(model, NUM_LAYERS)
-    loss = model(input_ids=_ids(), labels=_ids()).loss
+    loss = model(input_ids=batch_ids(), labels=batch_ids()).loss
     outputs = [weakref.ref(kept.out) for stash in handle._stashes for kept in stash.kept.values()]
     seen = []
 
@@ -362,22 +276,22 @@ def test_cudnn_entry_binds_to_its_schemas():
 def test_rejects_other_attention_implementations():
     with pytest.raises(RuntimeError,
                        match='needs a Hugging Face model with attn_implementation="sdpa", got \'eager\''):
-        install_attention_stash(_mixtral(attn_implementation="eager"), 1)
+        install_attention_stash(mixtral_model(attn_implementation="eager"), 1)
 
 
 def test_rejects_attention_implementation_switched_after_install(install):
-    model = _checkpoint(_mixtral())
+    model = checkpointed(mixtral_model())
     install(model, 1)
     model.config._attn_implementation = "eager"
     with pytest.raises(RuntimeError, match='needs attn_implementation="sdpa" for model.layers.2, got "eager"'):
-        model(input_ids=_ids(), labels=_ids())
+        model(input_ids=batch_ids(), labels=batch_ids())
 
 
 @pytest.mark.parametrize("checkpointing", ["none", "non_reentrant"])
 def test_rejects_training_outside_a_reentrant_checkpoint(install, checkpointing):
-    model = _mixtral().train()
+    model = mixtral_model().train()
     if checkpointing == "non_reentrant":
-        _checkpoint(model, use_reentrant=False)
+        checkpointed(model, use_reentrant=False)
         cause = "non-reentrant checkpointing"
     else:
         cause = "no activation checkpointing"
@@ -385,43 +299,43 @@ def test_rejects_training_outside_a_reentrant_checkpoint(install, checkpointing)
     with pytest.raises(RuntimeError,
                        match=f"reentrant activation checkpointing .* model.layers.2, got {cause}.*"
                        r"use_reentrant\": True"):
-        model(input_ids=_ids(), labels=_ids())
+        model(input_ids=batch_ids(), labels=batch_ids())
 
 
 def test_rejects_activation_offload(install):
     """Saved-tensor hooks around the checkpoint, as transformers' activation_checkpointing_enable(offload=True) sets
     with pinned memory (which needs an accelerator), here with save_on_cpu's unpinned copies."""
-    model = _checkpoint(_mixtral())
+    model = checkpointed(mixtral_model())
     install(model, 1)
     with torch.autograd.graph.save_on_cpu(), pytest.raises(
             RuntimeError,
             match="needs the reentrant checkpoint of model.layers.2 to save its input as it is, got "
             "saved-tensor hooks"):
-        model(input_ids=_ids(), labels=_ids())
+        model(input_ids=batch_ids(), labels=batch_ids())
 
 
 def test_rejects_attention_mask(install):
-    model = _checkpoint(_mixtral())
+    model = checkpointed(mixtral_model())
     install(model, 1)
     mask = torch.ones(2, 32, dtype=torch.long)
     mask[0, :4] = 0
     with pytest.raises(RuntimeError, match="needs attention without a mask in model.layers.2, got an attention mask"):
-        model(input_ids=_ids(), attention_mask=mask, labels=_ids())
+        model(input_ids=batch_ids(), attention_mask=mask, labels=batch_ids())
 
 
 def test_rejects_attention_dropout(install):
-    model = _checkpoint(_mixtral(attention_dropout=0.1))
+    model = checkpointed(mixtral_model(attention_dropout=0.1))
     install(model, 1)
     with pytest.raises(RuntimeError, match="needs attention dropout 0 in model.layers.2, got 0.1"):
-        model(input_ids=_ids(), labels=_ids())
+        model(input_ids=batch_ids(), labels=batch_ids())
 
 
 def test_rejects_other_sdpa_backend_choice(install):
-    model = _checkpoint(_mixtral())
+    model = checkpointed(mixtral_model())
     install(model, 1)
     with sdpa_kernel(SDPBackend.MATH), pytest.raises(RuntimeError,
                                                      match="a fused SDPA backend it can replay .*got MATH on cpu"):
-        model(input_ids=_ids(), labels=_ids())
+        model(input_ids=batch_ids(), labels=batch_ids())
 
 
 def test_rejects_backend_change_between_passes(install, monkeypatch):
@@ -429,18 +343,18 @@ def test_rejects_backend_change_between_passes(install, monkeypatch):
     class OtherCpuOps(attention_stash._CpuFlashOps):
         name = "another CPU kernel"
 
-    model = _checkpoint(_mixtral())
+    model = checkpointed(mixtral_model())
     install(model, 1)
-    loss = model(input_ids=_ids(), labels=_ids()).loss
+    loss = model(input_ids=batch_ids(), labels=batch_ids()).loss
     monkeypatch.setitem(attention_stash._BACKENDS, ("cpu", SDPBackend.FLASH_ATTENTION.value), OtherCpuOps)
     with pytest.raises(RuntimeError, match="got CPU flash attention in the forward and another CPU kernel in the"):
         loss.backward()
 
 
 def test_rejects_recompute_without_kept_output(install):
-    model = _checkpoint(_mixtral())
+    model = checkpointed(mixtral_model())
     handle = install(model, 1)
-    loss = model(input_ids=_ids(), labels=_ids()).loss
+    loss = model(input_ids=batch_ids(), labels=batch_ids()).loss
     handle.remove()
     install(model, 1)
     with pytest.raises(RuntimeError, match="needs a kept attention output for the recompute of model.layers.2, got"):
@@ -448,16 +362,16 @@ def test_rejects_recompute_without_kept_output(install):
 
 
 def test_rejects_same_input_twice_before_backward(install):
-    model = _checkpoint(_mixtral())
+    model = checkpointed(mixtral_model())
     install(model, NUM_LAYERS)
-    embeds = model.model.embed_tokens(_ids()).detach().requires_grad_()
+    embeds = model.model.embed_tokens(batch_ids()).detach().requires_grad_()
     model(inputs_embeds=embeds)
     with pytest.raises(RuntimeError, match="needs a distinct input for each forward of model.layers.0"):
         model(inputs_embeds=embeds)
 
 
 def test_rejects_attention_call_without_the_layer_keyword_arguments(install):
-    model = _checkpoint(_mixtral())
+    model = checkpointed(mixtral_model())
     install(model, 1)
     attention = model.model.layers[2].self_attn
     query = torch.randn(2, 4, 32, 16)
@@ -466,7 +380,7 @@ def test_rejects_attention_call_without_the_layer_keyword_arguments(install):
 
 
 def test_rejects_second_install(install):
-    model = _checkpoint(_mixtral())
+    model = checkpointed(mixtral_model())
     install(model, 1)
     with pytest.raises(RuntimeError, match="needs one install per decoder layer, got a second one on model.layers.2"):
         install_attention_stash(model, 2)
@@ -476,7 +390,7 @@ def test_rejects_second_install(install):
 @pytest.mark.parametrize("num_layers", [True, 1.0, "2", None])
 def test_rejects_non_integer_num_layers(num_layers):
     with pytest.raises(TypeError, match=f"needs an integer num_layers, got {type(num_layers).__name__}"):
-        install_attention_stash(_mixtral(), num_layers)
+        install_attention_stash(mixtral_model(), num_layers)
 
 
 @pytest.mark.parametrize("num_layers", [0, -1, NUM_LAYERS + 1])
@@ -484,7 +398,7 @@ def test_rejects_out_of_range_num_layers(num_layers):
     with pytest.raises(ValueError,
                        match=f"needs num_layers from 1 to the model's {NUM_LAYERS} decoder layers, got "
                        f"{num_layers}"):
-        install_attention_stash(_mixtral(), num_layers)
+        install_attention_stash(mixtral_model(), num_layers)
 
 
 @pytest.mark.parametrize("missing", [
@@ -492,7 +406,7 @@ def test_rejects_out_of_range_num_layers(num_layers):
     "checkpointing_layer", "attention_functions"
 ])
 def test_rejects_missing_entry_points(monkeypatch, missing):
-    model = _mixtral()
+    model = mixtral_model()
     if missing.startswith("_"):
         owner, _, attribute = f"torch.{missing}".rpartition(".")
         monkeypatch.delattr(f"{owner}.{attribute}")
@@ -591,18 +505,18 @@ def test_autoep_engine_step_with_and_without_the_stash(install):
             "preset_model": "mixtral"
         },
     }
-    ids = _ids(sequence=128).to(device)
+    ids = batch_ids(sequence=128).to(device)
 
     def step(num_layers):
         # Head dimension 128 in bfloat16, which PyTorch runs on cuDNN on Hopper.
-        model = _mixtral(torch.bfloat16,
-                         hidden_size=1024,
-                         intermediate_size=256,
-                         num_hidden_layers=2,
-                         num_attention_heads=8,
-                         num_key_value_heads=8,
-                         max_position_embeddings=128)
-        _checkpoint(model)
+        model = mixtral_model(torch.bfloat16,
+                              hidden_size=1024,
+                              intermediate_size=256,
+                              num_hidden_layers=2,
+                              num_attention_heads=8,
+                              num_key_value_heads=8,
+                              max_position_embeddings=128)
+        checkpointed(model)
         handle = install(model, num_layers) if num_layers else None
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
         assert any(type(module).__name__ == "AutoEPMoELayer" for module in engine.module.modules())

@@ -1,0 +1,96 @@
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""Tiny Hugging Face MoE models and helpers shared by the attention stash tests and their two-rank script."""
+
+from collections import Counter
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+NUM_LAYERS = 3
+CPU_FORWARD = "_scaled_dot_product_flash_attention_for_cpu.default"
+CPU_BACKWARD = "_scaled_dot_product_flash_attention_for_cpu_backward.default"
+
+
+def mixtral_model(dtype=torch.float32, **overrides):
+    config = dict(vocab_size=128,
+                  hidden_size=64,
+                  intermediate_size=64,
+                  num_hidden_layers=NUM_LAYERS,
+                  num_attention_heads=4,
+                  num_key_value_heads=2,
+                  num_local_experts=4,
+                  num_experts_per_tok=2,
+                  max_position_embeddings=64,
+                  attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return MixtralForCausalLM(MixtralConfig(**{**config, **overrides})).to(dtype)
+
+
+def qwen3_moe_model(dtype=torch.float32, **overrides):
+    # Qwen3-MoE adds norms of the queries and keys before RoPE.
+    config = dict(vocab_size=128,
+                  hidden_size=64,
+                  intermediate_size=64,
+                  moe_intermediate_size=32,
+                  num_hidden_layers=NUM_LAYERS,
+                  num_attention_heads=4,
+                  num_key_value_heads=2,
+                  head_dim=16,
+                  num_experts=4,
+                  num_experts_per_tok=2,
+                  max_position_embeddings=64,
+                  attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(**{**config, **overrides})).to(dtype)
+
+
+MODELS = {"mixtral": mixtral_model, "qwen3_moe": qwen3_moe_model}
+
+
+def checkpointed(model, use_reentrant=True):
+    # transformers 5.23 renamed gradient_checkpointing_enable, keeping the old name as a deprecated alias.
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    model.train()
+    return model
+
+
+def batch_ids(seed=1, batch=2, sequence=32):
+    return torch.randint(0, 128, (batch, sequence), generator=torch.Generator().manual_seed(seed))
+
+
+def param_grads(model):
+    return {name: param.grad.clone() for name, param in model.named_parameters() if param.grad is not None}
+
+
+def train_step(model, ids):
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), param_grads(model)
+
+
+def assert_same_grads(grads, expected):
+    assert grads.keys() == expected.keys()
+    for name, grad in grads.items():
+        assert torch.equal(grad, expected[name]), name
+
+
+class CountOps(TorchDispatchMode):
+    """Counts aten calls; CPU backward runs on the calling thread, so it sees the recompute too."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = Counter()
+        self.key_heads = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls[func.__name__] += 1
+        if func.__name__ == CPU_FORWARD:
+            self.key_heads.add(args[1].shape[1])
+        return func(*args, **(kwargs or {}))

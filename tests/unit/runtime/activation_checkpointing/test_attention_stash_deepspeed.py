@@ -1,0 +1,248 @@
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""The attention stash inside DeepSpeed training: ZeRO stages, AutoEP, two ranks, gradient accumulation, HF Trainer.
+
+Every test trains the same model with and without the stash and compares. On CPU the stash replays the normal
+recompute's deterministic kernels, so losses and parameters are compared bitwise.
+"""
+
+import gc
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import transformers
+
+from deepspeed.runtime.activation_checkpointing.attention_stash import install_attention_stash
+
+from attention_stash_helpers import (CPU_FORWARD, NUM_LAYERS, CountOps, batch_ids, checkpointed, mixtral_model,
+                                     qwen3_moe_model)
+
+# One process group for the whole module, as deepspeed.initialize makes it from these on first use.
+for _variable, _default in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
+                            ("MASTER_PORT", "29521")):
+    os.environ.setdefault(_variable, _default)
+
+AUTOEP_BROKEN = tuple(int(part) for part in transformers.__version__.split(".")[:2]) >= (5, 23)
+requires_autoep = pytest.mark.skipif(
+    AUTOEP_BROKEN,
+    reason="DeepSpeed 0.19.8's AutoEP fails in deepspeed.initialize with transformers "
+    ">= 5.23 (_CanRecordRegistry.get() TypeError); CI runs these under 5.22.2")
+
+
+def _config(stage=0, bf16=False, accumulation=1, **extra):
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": accumulation,
+        "optimizer": {
+            "type": "AdamW",
+            "params": {
+                "lr": 1e-2,
+                "torch_adam": True
+            }
+        },
+        "zero_optimization": {
+            "stage": stage
+        },
+        **extra,
+    }
+    if bf16:
+        config["bf16"] = {"enabled": True}
+    return config
+
+
+def _full_params(engine):
+    """Each parameter's full FP32 master copy where DeepSpeed keeps one, else the parameter itself."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    params = {}
+    for name, param in engine.module.named_parameters():
+        full = safe_get_full_fp32_param(param)
+        params[name] = (param if full is None else full).detach().clone()
+    return params
+
+
+def _train(make_model, config, stashed, steps=3, install_after=False):
+    """Train with the stash on the last ``stashed`` layers (none for 0); returns the losses and the parameters."""
+    import deepspeed
+
+    model = checkpointed(make_model())
+    handle = install_attention_stash(model, stashed) if stashed and not install_after else None
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    if stashed and install_after:
+        handle = install_attention_stash(engine.module, stashed)
+    losses = []
+    try:
+        for step in range(steps):
+            ids = batch_ids(seed=step).to(engine.device)
+            loss = engine(input_ids=ids, labels=ids).loss
+            assert handle is None or handle.num_kept == stashed
+            engine.backward(loss)
+            engine.step()
+            assert handle is None or handle.num_kept == 0
+            losses.append(loss.detach().float())
+        return torch.stack(losses), _full_params(engine)
+    finally:
+        if handle is not None:
+            handle.remove()
+
+
+def _assert_same_training(got, expected):
+    assert torch.equal(got[0], expected[0]), (got[0], expected[0])
+    assert got[1].keys() == expected[1].keys()
+    for name, param in got[1].items():
+        assert torch.equal(param, expected[1][name]), name
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_zero_stages(stage, bf16):
+    config = _config(stage, bf16)
+    expected = _train(mixtral_model, config, 0)
+    _assert_same_training(_train(mixtral_model, config, NUM_LAYERS), expected)
+    # The losses must move, or equal losses would prove nothing about the steps.
+    assert not torch.equal(expected[0][0], expected[0][-1])
+
+
+def test_gradient_accumulation_with_micro_batches_in_flight():
+    """Three micro-batches forward, then their backwards in reverse order, per optimizer step."""
+    import deepspeed
+
+    accumulation = 3
+
+    def train(stashed):
+        model = checkpointed(mixtral_model())
+        handle = install_attention_stash(model, stashed) if stashed else None
+        engine, *_ = deepspeed.initialize(model=model,
+                                          model_parameters=model.parameters(),
+                                          config=_config(accumulation=accumulation))
+        losses = []
+        try:
+            for step in range(2):
+                in_flight = []
+                for micro in range(accumulation):
+                    ids = batch_ids(seed=10 * step + micro)
+                    in_flight.append(engine(input_ids=ids, labels=ids).loss)
+                assert handle is None or handle.num_kept == accumulation * stashed
+                for loss in reversed(in_flight):
+                    engine.backward(loss)
+                    engine.step()
+                assert engine.global_steps == step + 1
+                assert handle is None or handle.num_kept == 0
+                losses += [loss.detach() for loss in in_flight]
+            return torch.stack(losses), _full_params(engine)
+        finally:
+            if handle is not None:
+                handle.remove()
+
+    _assert_same_training(train(NUM_LAYERS), train(0))
+
+
+def test_forward_that_raises_partway_keeps_nothing():
+    model = checkpointed(mixtral_model())
+    handle = install_attention_stash(model, NUM_LAYERS)
+
+    def fail(module, args, output):
+        raise RuntimeError("the last layer failed")
+
+    failing = model.model.layers[-1].register_forward_hook(fail)
+    try:
+        with pytest.raises(RuntimeError, match="the last layer failed"):
+            model(input_ids=batch_ids(), labels=batch_ids())
+        gc.collect()
+        assert handle.num_kept == 0
+        failing.remove()
+        # And the next step trains as usual.
+        model(input_ids=batch_ids(), labels=batch_ids()).loss.backward()
+        assert handle.num_kept == 0
+    finally:
+        handle.remove()
+
+
+@requires_autoep
+@pytest.mark.parametrize("model_name", ["mixtral", "qwen3_moe"])
+def test_autoep_before_or_after_initialize(model_name):
+    make_model = {"mixtral": mixtral_model, "qwen3_moe": qwen3_moe_model}[model_name]
+    config = _config(expert_parallel={"enabled": True, "autoep_size": 1, "preset_model": model_name})
+    expected = _train(make_model, config, 0)
+    _assert_same_training(_train(make_model, config, NUM_LAYERS), expected)
+    _assert_same_training(_train(make_model, config, NUM_LAYERS, install_after=True), expected)
+
+
+@requires_autoep
+def test_autoep_two_ranks():
+    """autoep_size=2 over gloo: the expert all-to-all runs inside each recompute."""
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "attention_stash_two_ranks.py")
+    environment = {
+        name: value
+        for name, value in os.environ.items()
+        if name not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    }
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29561", script],
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=600)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    reports = [json.loads(line.split(" ", 1)[1]) for line in result.stdout.splitlines() if line.startswith("RESULT ")]
+    assert sorted(report["rank"] for report in reports) == [0, 1]
+    for report in reports:
+        assert report["stashed_losses"] == report["plain_losses"], report
+        assert report["kept_after_steps"] == 0 and report["kept_after_forward"] == NUM_LAYERS
+    # Both ranks see one loss: data parallel over the same batches.
+    assert reports[0]["plain_losses"] == reports[1]["plain_losses"]
+
+
+def test_hugging_face_trainer_enables_checkpointing_after_install(tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    class Batches(torch.utils.data.Dataset):
+
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, index):
+            ids = batch_ids(seed=index, batch=1)[0]
+            return {"input_ids": ids, "labels": ids}
+
+    steps = 2
+    config = _config()
+    config["optimizer"]["params"]["lr"] = "auto"
+
+    def train(stashed):
+        model = mixtral_model().train()
+        assert not model.is_gradient_checkpointing
+        handle = install_attention_stash(model, stashed) if stashed else None
+        arguments = TrainingArguments(output_dir=str(tmp_path / str(stashed)),
+                                      per_device_train_batch_size=2,
+                                      max_steps=steps,
+                                      gradient_checkpointing=True,
+                                      gradient_checkpointing_kwargs={"use_reentrant": True},
+                                      deepspeed=config,
+                                      use_cpu=True,
+                                      report_to=[],
+                                      save_strategy="no",
+                                      logging_steps=1,
+                                      disable_tqdm=True)
+        trainer = Trainer(model=model, args=arguments, train_dataset=Batches())
+        try:
+            with CountOps() as counted:
+                trainer.train()
+            assert handle is None or handle.num_kept == 0
+            losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+            return counted.calls[CPU_FORWARD], losses
+        finally:
+            if handle is not None:
+                handle.remove()
+
+    plain_forwards, plain_losses = train(0)
+    stashed_forwards, stashed_losses = train(NUM_LAYERS)
+    # Without the stash each layer runs the attention forward twice per step, with it once: every layer is served.
+    assert plain_forwards == 2 * NUM_LAYERS * steps
+    assert stashed_forwards == NUM_LAYERS * steps
+    assert stashed_losses == plain_losses and len(plain_losses) == steps
