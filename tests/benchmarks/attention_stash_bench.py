@@ -29,6 +29,7 @@ import time
 import weakref
 
 import torch
+from torch.nn.attention import SDPBackend
 from torch.utils._python_dispatch import TorchDispatchMode
 
 PRESETS = {
@@ -242,7 +243,10 @@ def _synchronize(device):
 
 
 def attention_forward_ms(settings, repeats=7):
-    """The op-level gate: the attention forward the recompute runs, at the model's shapes, as F.sdpa dispatches it."""
+    """The op-level gate: the attention forward the recompute runs, at the model's shapes, as F.sdpa dispatches it.
+
+    Returns its median time in milliseconds and the SDPA backend PyTorch chose, which the stash replays.
+    """
     device, dtype = settings["device"], getattr(torch, settings["dtype"])
     generator = torch.Generator(device=device).manual_seed(0)
 
@@ -252,6 +256,8 @@ def attention_forward_ms(settings, repeats=7):
         return torch.randn(shape, device=device, dtype=dtype, generator=generator).transpose(1, 2).requires_grad_()
 
     query, key, value = projected(settings["heads"]), projected(settings["kv_heads"]), projected(settings["kv_heads"])
+    choice = torch._fused_sdp_choice(query, key, value, None, 0.0, True, enable_gqa=True)
+    backend = next(name for name, member in SDPBackend.__members__.items() if member.value == choice)
     times = []
     for _ in range(repeats + 1):
         _synchronize(device)
@@ -260,7 +266,7 @@ def attention_forward_ms(settings, repeats=7):
         torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, enable_gqa=True)
         _synchronize(device)
         times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times[1:])
+    return statistics.median(times[1:]), backend
 
 
 def kept_bytes_formula(settings):
@@ -369,7 +375,7 @@ def _memory_columns(device):
     return [("peak live", "peak_live_bytes"), ("peak RSS", "peak_rss_bytes")]
 
 
-def format_table(settings, by_arm, attention_ms, repeat_noise, cross_arm):
+def format_table(settings, by_arm, attention_ms, backend, repeat_noise, cross_arm):
     device = settings["device"]
     columns = _memory_columns(device)
     header = (f"{'arm':<24}{'stashed':>6}  {'run medians (ms)':<22}{'median (ms)':>12}{'vs plain':>10}" +
@@ -385,7 +391,7 @@ def format_table(settings, by_arm, attention_ms, repeat_noise, cross_arm):
     lines.append("")
     lines.append(f"attention forward (op-level gate): {attention_ms:.2f} ms per layer and micro-batch, query "
                  f"({settings['micro_batch']}, {settings['heads']}, {settings['sequence']}, {settings['head_dim']}), "
-                 f"{settings['kv_heads']} key/value heads, {settings['dtype']}, {device}")
+                 f"{settings['kv_heads']} key/value heads, {settings['dtype']}, {device}, SDPA backend {backend}")
     for row in by_arm:
         if row["kind"] == "stash":
             lines.append(
@@ -505,7 +511,7 @@ def main(argv=None):
             f"[{index}/{len(order)}] {arm['label']}: median {run['median_ms']:,.1f} ms, losses "
             f"{', '.join(f'{loss:.6f}' for loss in run['losses'])}",
             flush=True)
-    attention_ms = attention_forward_ms(settings)
+    attention_ms, backend = attention_forward_ms(settings)
     by_arm, repeat_noise, cross_arm = summarize(settings, arms, runs, attention_ms)
 
     if args.json:
@@ -520,6 +526,7 @@ def main(argv=None):
                     },
                     "autoep": args.autoep,
                     "attention_forward_ms": attention_ms,
+                    "sdpa_backend": backend,
                     "kept_bytes_formula": kept_bytes_formula(settings),
                     "loss_repeat_noise": repeat_noise,
                     "loss_cross_arm": cross_arm,
@@ -535,7 +542,7 @@ def main(argv=None):
           f"{settings['dtype']} on {settings['device']}, {settings['steps']} timed steps after "
           f"{settings['warmup']} per run{', AutoEP' if args.autoep else ''}; torch {torch.__version__}, "
           f"transformers {transformers.__version__}, deepspeed {deepspeed.__version__}")
-    print(format_table(settings, by_arm, attention_ms, repeat_noise, cross_arm))
+    print(format_table(settings, by_arm, attention_ms, backend, repeat_noise, cross_arm))
 
 
 if __name__ == "__main__":

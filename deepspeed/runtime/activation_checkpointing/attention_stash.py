@@ -12,6 +12,7 @@ attention output plus its log-sum-exp per stashed layer, from the layer's forwar
 transformers is imported lazily, by ``install_attention_stash``.
 """
 
+import math
 import weakref
 
 import torch
@@ -57,7 +58,7 @@ class _CpuFlashOps:
         return out, (lse, ), ()
 
     @staticmethod
-    def backward(grad_out, query, key, value, out, tensors, scalars, is_causal, scale):
+    def backward(grad_out, query, key, value, out, tensors, scalars, is_causal, scale, needs_grad):
         lse, = tensors
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(grad_out,
                                                                          query,
@@ -85,7 +86,7 @@ class _CudnnOps:
         return out, (lse, philox_seed, philox_offset, cum_seq_q, cum_seq_k), (max_q, max_k)
 
     @staticmethod
-    def backward(grad_out, query, key, value, out, tensors, scalars, is_causal, scale):
+    def backward(grad_out, query, key, value, out, tensors, scalars, is_causal, scale, needs_grad):
         lse, philox_seed, philox_offset, cum_seq_q, cum_seq_k = tensors
         max_q, max_k = scalars
         # attn_bias None: the forward had no mask.
@@ -107,24 +108,101 @@ class _CudnnOps:
                                                                  scale=scale)
 
 
+class _FlashOps:
+    """FlashAttention-2 on CUDA, PyTorch's first SDPA choice on Ampere and Ada GPUs."""
+
+    name = "flash attention"
+    ops = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward")
+    # F.sdpa pads the head dimension to a multiple of 8 for this kernel and slices its output back; the caller does too.
+    head_dim_multiple = 8
+
+    @staticmethod
+    def forward(query, key, value, is_causal, scale):
+        out, lse, cum_seq_q, cum_seq_k, max_q, max_k, rng_state, unused, _ = (aten._scaled_dot_product_flash_attention(
+            query, key, value, 0.0, is_causal, False, scale=scale))
+        return out, (lse, cum_seq_q, cum_seq_k, rng_state, unused), (max_q, max_k)
+
+    @staticmethod
+    def backward(grad_out, query, key, value, out, tensors, scalars, is_causal, scale, needs_grad):
+        lse, cum_seq_q, cum_seq_k, rng_state, unused = tensors
+        max_q, max_k = scalars
+        # The derivative passes rng_state and unused as the philox seed and offset.
+        return aten._scaled_dot_product_flash_attention_backward(grad_out,
+                                                                 query,
+                                                                 key,
+                                                                 value,
+                                                                 out,
+                                                                 lse,
+                                                                 cum_seq_q,
+                                                                 cum_seq_k,
+                                                                 max_q,
+                                                                 max_k,
+                                                                 0.0,
+                                                                 is_causal,
+                                                                 rng_state,
+                                                                 unused,
+                                                                 scale=scale)
+
+
+class _EfficientOps:
+    """Memory-efficient attention on CUDA, PyTorch's choice where flash and cuDNN do not apply."""
+
+    name = "memory-efficient attention"
+    ops = ("_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward")
+
+    @staticmethod
+    def forward(query, key, value, is_causal, scale):
+        # compute_log_sumexp=True, as in F.sdpa when grads are required; the log-sum-exp is padded to 32 rows.
+        out, lse, philox_seed, philox_offset = aten._scaled_dot_product_efficient_attention(query,
+                                                                                            key,
+                                                                                            value,
+                                                                                            None,
+                                                                                            True,
+                                                                                            0.0,
+                                                                                            is_causal,
+                                                                                            scale=scale)
+        return out, (lse, philox_seed, philox_offset), ()
+
+    @staticmethod
+    def backward(grad_out, query, key, value, out, tensors, scalars, is_causal, scale, needs_grad):
+        lse, philox_seed, philox_offset = tensors
+        # grad_input_mask: which of query, key, value and the (absent) bias need a gradient.
+        grad_query, grad_key, grad_value, _ = aten._scaled_dot_product_efficient_attention_backward(
+            grad_out,
+            query,
+            key,
+            value,
+            None,
+            out,
+            lse,
+            philox_seed,
+            philox_offset,
+            0.0, [*needs_grad, False],
+            is_causal,
+            scale=scale)
+        return grad_query, grad_key, grad_value
+
+
 # (device type, the backend torch._fused_sdp_choice reports) -> ops that replay it exactly.
 _BACKENDS = {
     ("cpu", SDPBackend.FLASH_ATTENTION.value): _CpuFlashOps,
     ("cuda", SDPBackend.CUDNN_ATTENTION.value): _CudnnOps,
+    ("cuda", SDPBackend.FLASH_ATTENTION.value): _FlashOps,
+    ("cuda", SDPBackend.EFFICIENT_ATTENTION.value): _EfficientOps,
 }
 _BACKEND_NAMES = {backend.value: name for name, backend in SDPBackend.__members__.items()}
 
 
-def _backend_for(query, key, value, is_causal, scale, enable_gqa):
-    choice = torch._fused_sdp_choice(query, key, value, None, 0.0, is_causal, scale=scale, enable_gqa=enable_gqa)
-    device = query.device.type
-    ops = _BACKENDS.get((device, choice))
+def _ops_for(device_type, choice):
+    """The table's ops for the backend ``torch._fused_sdp_choice`` reported; raises for one without an exact replay."""
+    ops = _BACKENDS.get((device_type, choice))
     if ops is None:
-        served = [f"{_BACKEND_NAMES[backend]} on {dev}" for dev, backend in _BACKENDS]
+        served = ", ".join(f"{ops.name} ({_BACKEND_NAMES[backend]}) on {device}"
+                           for (device, backend), ops in _BACKENDS.items())
         raise RuntimeError(
-            f"{_FEATURE} needs PyTorch to choose a fused SDPA backend it can replay ({', '.join(served)})"
-            f", got {_BACKEND_NAMES.get(choice, choice)} on {device} for query {tuple(query.shape)} "
-            f"{query.dtype}. An sdpa_kernel context, torch.use_deterministic_algorithms(True), an "
+            f"{_FEATURE} needs PyTorch to choose a fused SDPA backend it can replay: {served}; got "
+            f"{_BACKEND_NAMES.get(choice, choice)} on {device_type}. The math backend and any other have "
+            f"no exact replay. An sdpa_kernel context, torch.use_deterministic_algorithms(True), an "
             f"fp32 model on CUDA or an unsupported head dimension changes the choice.")
     return ops
 
@@ -253,7 +331,7 @@ class _StashedAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         query, key, value, out, *tensors = ctx.saved_tensors
         grad_query, grad_key, grad_value = ctx.ops.backward(grad_out, query, key, value, out, tensors, ctx.scalars,
-                                                            ctx.is_causal, ctx.scale)
+                                                            ctx.is_causal, ctx.scale, ctx.needs_input_grad[:3])
         return grad_query, grad_key, grad_value, None, None, None
 
 
@@ -294,16 +372,25 @@ class _StashedSdpaCall(TorchFunctionMode):
             dtype = torch.get_autocast_dtype(query.device.type)
             query, key, value = (t.to(dtype) if t.dtype != torch.float64 else t for t in (query, key, value))
         # The recompute checks the choice too: it is the backend the normal recompute would differentiate.
-        ops = _backend_for(query, key, value, is_causal, scale, enable_gqa)
+        choice = torch._fused_sdp_choice(query, key, value, None, 0.0, is_causal, scale=scale, enable_gqa=enable_gqa)
+        ops = _ops_for(query.device.type, choice)
+        head_dim = query.shape[-1]
+        multiple = getattr(ops, "head_dim_multiple", 1)
+        padded = head_dim % multiple != 0
+        if padded:
+            # As F.sdpa does: the scale from the unpadded head dimension, then zero padding, differentiably.
+            scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+            query, key, value = (F.pad(t, (0, -t.shape[-1] % multiple)) for t in (query, key, value))
         if self.recompute:
             kept = self.stash.take(self.layer_input)
             if kept.ops is not ops:
                 raise RuntimeError(f"{_FEATURE} needs one SDPA backend for both passes of {self.stash.name}, got "
                                    f"{kept.ops.name} in the forward and {ops.name} in the recompute.")
-            return _StashedAttention.apply(query, key, value, kept, is_causal, scale)
-        out, tensors, scalars = ops.forward(query, key, value, is_causal, scale)
-        self.stash.keep(self.layer_input, _Kept(ops, out, tensors, scalars))
-        return out
+            out = _StashedAttention.apply(query, key, value, kept, is_causal, scale)
+        else:
+            out, tensors, scalars = ops.forward(query, key, value, is_causal, scale)
+            self.stash.keep(self.layer_input, _Kept(ops, out, tensors, scalars))
+        return out[..., :head_dim] if padded else out
 
 
 # Every submodule of a stashed decoder layer, attention modules among them, maps to that layer's stash.

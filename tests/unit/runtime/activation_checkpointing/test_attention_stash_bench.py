@@ -35,6 +35,7 @@ def test_bench_arms_agree_and_keep_the_formula(bench, tmp_path, capsys):
     ]
     # Each arm ran twice from the same weights on the same batches: the CPU losses are bitwise equal.
     assert result["loss_cross_arm"] == 0 and result["loss_repeat_noise"] == 0
+    assert result["sdpa_backend"] == "FLASH_ATTENTION"  # the CPU kernel the stash replays
     for arm in arms.values():
         assert len(arm["run_medians_ms"]) == 2 and len(arm["losses"]) == 2
     formula = 1 * 8 * 64 * (64 * 4 + 4)  # micro-batch x heads x sequence x (head dim x fp32 bytes + FP32 LSE)
