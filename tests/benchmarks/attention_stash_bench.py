@@ -269,12 +269,6 @@ def attention_forward_ms(settings, repeats=7):
     return statistics.median(times[1:]), backend
 
 
-def kept_bytes_formula(settings):
-    """One attention output in the model's dtype plus its FP32 log-sum-exp, per stashed layer and micro-batch."""
-    rows = settings["micro_batch"] * settings["heads"] * settings["sequence"]
-    return rows * settings["head_dim"] * getattr(torch, settings["dtype"]).itemsize + rows * 4
-
-
 def run_arm(engine, initial, batches, settings, arm):
     from deepspeed.runtime.activation_checkpointing.attention_stash import install_attention_stash
 
@@ -375,7 +369,7 @@ def _memory_columns(device):
     return [("peak live", "peak_live_bytes"), ("peak RSS", "peak_rss_bytes")]
 
 
-def format_table(settings, by_arm, attention_ms, backend, repeat_noise, cross_arm):
+def format_table(settings, by_arm, attention_ms, backend, predicted_bytes, repeat_noise, cross_arm):
     device = settings["device"]
     columns = _memory_columns(device)
     header = (f"{'arm':<24}{'stashed':>6}  {'run medians (ms)':<22}{'median (ms)':>12}{'vs plain':>10}" +
@@ -387,7 +381,6 @@ def format_table(settings, by_arm, attention_ms, backend, repeat_noise, cross_ar
                      f"{' / '.join(f'{m:,.1f}' for m in row['run_medians_ms']):<22}{row['median_ms']:>12,.1f}"
                      f"{row['vs_plain']:>+10.2%}" + "".join(f"{row[key] / 2**20:>11,.1f} MiB"
                                                             for _, key in columns) + f"{kept:>14}")
-    formula = kept_bytes_formula(settings)
     lines.append("")
     lines.append(f"attention forward (op-level gate): {attention_ms:.2f} ms per layer and micro-batch, query "
                  f"({settings['micro_batch']}, {settings['heads']}, {settings['sequence']}, {settings['head_dim']}), "
@@ -398,8 +391,9 @@ def format_table(settings, by_arm, attention_ms, backend, repeat_noise, cross_ar
                 f"saved per stashed layer and micro-batch, {row['stashed']} layers: {row['saved_per_layer_ms']:.2f} ms "
                 f"(sweeps {' / '.join(f'{saved:.1f}' for saved in row['saved_per_layer_by_sweep_ms'])}) = "
                 f"{row['saved_fraction_of_attention']:.0%} of the "
-                f"attention forward; kept {row['kept_per_layer_bytes']:,.0f} B per layer against the formula's "
-                f"{formula:,} B (output + FP32 LSE), {row['kept_per_layer_bytes'] / formula - 1:+.2%}")
+                f"attention forward; kept {row['kept_per_layer_bytes']:,.0f} B per layer against the "
+                f"planner's {predicted_bytes:,} B (output + FP32 LSE), "
+                f"{row['kept_per_layer_bytes'] / predicted_bytes - 1:+.2%}")
     kinds = {row["kind"]: row for row in by_arm if row["kind"] != "stash"}
     if "selective" in kinds:
         full = max((row for row in by_arm if row["kind"] == "stash"), key=lambda row: row["stashed"])
@@ -454,6 +448,8 @@ def main(argv=None):
         torch.set_num_threads(max(1, os.cpu_count() or 1))
     deepspeed = _init_deepspeed(settings["device"])
     import transformers
+
+    from deepspeed.runtime.activation_checkpointing.attention_stash import attention_stash_layer_bytes
 
     config = {
         "train_micro_batch_size_per_gpu": settings["micro_batch"],
@@ -512,6 +508,11 @@ def main(argv=None):
             f"{', '.join(f'{loss:.6f}' for loss in run['losses'])}",
             flush=True)
     attention_ms, backend = attention_forward_ms(settings)
+    # What the stash's memory planner predicts one layer keeps per micro-batch, for the same shapes.
+    predicted_bytes = attention_stash_layer_bytes(engine.module,
+                                                  settings["micro_batch"],
+                                                  settings["sequence"],
+                                                  device=settings["device"])
     by_arm, repeat_noise, cross_arm = summarize(settings, arms, runs, attention_ms)
 
     if args.json:
@@ -527,7 +528,7 @@ def main(argv=None):
                     "autoep": args.autoep,
                     "attention_forward_ms": attention_ms,
                     "sdpa_backend": backend,
-                    "kept_bytes_formula": kept_bytes_formula(settings),
+                    "kept_bytes_predicted": predicted_bytes,
                     "loss_repeat_noise": repeat_noise,
                     "loss_cross_arm": cross_arm,
                     "arms": by_arm,
@@ -542,7 +543,7 @@ def main(argv=None):
           f"{settings['dtype']} on {settings['device']}, {settings['steps']} timed steps after "
           f"{settings['warmup']} per run{', AutoEP' if args.autoep else ''}; torch {torch.__version__}, "
           f"transformers {transformers.__version__}, deepspeed {deepspeed.__version__}")
-    print(format_table(settings, by_arm, attention_ms, backend, repeat_noise, cross_arm))
+    print(format_table(settings, by_arm, attention_ms, backend, predicted_bytes, repeat_noise, cross_arm))
 
 
 if __name__ == "__main__":

@@ -53,6 +53,12 @@ class _CpuFlashOps:
     ops = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward")
 
     @staticmethod
+    def kept_bytes(batch, heads, sequence, head_dim, dtype):
+        # The log-sum-exp is [batch, sequence, heads] in the kernel's accumulation dtype: FP32, FP64 for FP64.
+        lse_bytes = 8 if dtype == torch.float64 else 4
+        return batch * heads * sequence * (head_dim * dtype.itemsize + lse_bytes)
+
+    @staticmethod
     def forward(query, key, value, is_causal, scale):
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, is_causal, scale=scale)
         return out, (lse, ), ()
@@ -76,6 +82,11 @@ class _CudnnOps:
 
     name = "cuDNN attention"
     ops = ("_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward")
+
+    @staticmethod
+    def kept_bytes(batch, heads, sequence, head_dim, dtype):
+        # The output, and an FP32 log-sum-exp of [batch, heads, sequence, 1]; the philox scalars are not counted.
+        return batch * heads * sequence * (head_dim * dtype.itemsize + 4)
 
     @staticmethod
     def forward(query, key, value, is_causal, scale):
@@ -117,6 +128,11 @@ class _FlashOps:
     head_dim_multiple = 8
 
     @staticmethod
+    def kept_bytes(batch, heads, sequence, head_dim, dtype):
+        # The output at the padded head dimension, and an FP32 log-sum-exp of [batch, heads, sequence].
+        return batch * heads * sequence * ((head_dim + -head_dim % 8) * dtype.itemsize + 4)
+
+    @staticmethod
     def forward(query, key, value, is_causal, scale):
         out, lse, cum_seq_q, cum_seq_k, max_q, max_k, rng_state, unused, _ = (aten._scaled_dot_product_flash_attention(
             query, key, value, 0.0, is_causal, False, scale=scale))
@@ -149,6 +165,11 @@ class _EfficientOps:
 
     name = "memory-efficient attention"
     ops = ("_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward")
+
+    @staticmethod
+    def kept_bytes(batch, heads, sequence, head_dim, dtype):
+        # The output, and an FP32 log-sum-exp whose sequence dimension the kernel pads to a multiple of 32.
+        return batch * heads * (sequence * head_dim * dtype.itemsize + (sequence + -sequence % 32) * 4)
 
     @staticmethod
     def forward(query, key, value, is_causal, scale):
@@ -215,11 +236,33 @@ def _ops_for(device_type, choice):
 class _Kept:
     """What one first forward keeps for its recompute."""
 
-    __slots__ = ("ops", "out", "tensors", "scalars", "finalizer")
+    __slots__ = ("ops", "out", "tensors", "scalars", "nbytes", "finalizer")
 
     def __init__(self, ops, out, tensors, scalars):
         self.ops, self.out, self.tensors, self.scalars = ops, out, tensors, scalars
+        storages = {
+            t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+            for t in (out, *tensors) if t is not None
+        }
+        self.nbytes = sum(storages.values())
         self.finalizer = None
+
+
+class _Counters:
+    """What the stashes of one install keep and serve, for its handle."""
+
+    def __init__(self):
+        self.kept = self.kept_bytes = self.peak_kept_bytes = 0
+        self.recomputes_served = self.released_without_backward = 0
+
+    def add(self, kept):
+        self.kept += 1
+        self.kept_bytes += kept.nbytes
+        self.peak_kept_bytes = max(self.peak_kept_bytes, self.kept_bytes)
+
+    def drop(self, kept):
+        self.kept -= 1
+        self.kept_bytes -= kept.nbytes
 
 
 def _input_key(layer_input):
@@ -232,10 +275,11 @@ def _input_key(layer_input):
 class _LayerStash:
     """The kept attention outputs of one decoder layer, keyed by the layer's input."""
 
-    def __init__(self, name, layer, config):
+    def __init__(self, name, layer, config, counters):
         self.name = name
         self._layer = weakref.ref(layer)
         self._config = config
+        self._counters = counters
         self.kept = {}
         # First among the layer's pre-hooks, so it sees the layer's own input: others may replace it, as ZeRO-3's does
         # with an autograd function, whose output inside the checkpoint's no-grad forward does not require grad.
@@ -261,8 +305,15 @@ class _LayerStash:
                 f"same tensor passed to two forwards (pass a new tensor to each), or a layer that calls "
                 f"attention twice (remove the stash from it).")
         # A forward whose graph is freed without a backward frees its input with it; its output goes too.
-        kept.finalizer = weakref.finalize(layer_input, self.kept.pop, key, None)
+        kept.finalizer = weakref.finalize(layer_input, self._release, key)
         self.kept[key] = kept
+        self._counters.add(kept)
+
+    def _release(self, key):
+        kept = self.kept.pop(key, None)
+        if kept is not None:
+            self._counters.drop(kept)
+            self._counters.released_without_backward += 1
 
     def take(self, layer_input):
         kept = None if layer_input is None else self.kept.pop(_input_key(layer_input), None)
@@ -271,11 +322,14 @@ class _LayerStash:
                                f"for its input. Install the stash before the forward, not between a forward and its "
                                f"backward, and do not remove it in between.")
         kept.finalizer.detach()
+        self._counters.drop(kept)
+        self._counters.recomputes_served += 1
         return kept
 
     def clear(self):
         for kept in self.kept.values():
             kept.finalizer.detach()
+            self._counters.drop(kept)
         self.kept.clear()
 
     def remove(self):
@@ -454,11 +508,102 @@ def _decoder_layers(model, layer_class):
     return layers
 
 
-class AttentionStashHandle:
-    """Returned by ``install_attention_stash``: names the stashed layers and uninstalls the stash."""
+def _attention_geometry(name, layer):
+    """(query heads, head dimension of the attention output) of a decoder layer's attention module."""
+    for module in layer.modules():
+        heads = getattr(getattr(module, "config", None), "num_attention_heads", None)
+        # Multi-head latent attention (DeepSeek) has a value head dimension of its own, the output's.
+        head_dim = getattr(module, "v_head_dim", None) or getattr(module, "head_dim", None)
+        if isinstance(heads, int) and isinstance(head_dim, int):
+            return heads, head_dim
+    raise RuntimeError(f"{_FEATURE} needs an attention module with config.num_attention_heads and a head_dim in "
+                       f"{name} to plan its memory, got none.")
 
-    def __init__(self, stashes, attention_functions):
+
+def _check_positive_int(name, value):
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{_FEATURE} needs an integer {name}, got {type(value).__name__}.")
+    if value < 1:
+        raise ValueError(f"{_FEATURE} needs a positive {name}, got {value}.")
+
+
+def _layer_bytes(model, micro_batch_size, sequence_length, dtype, device):
+    """Bytes each decoder layer would keep per micro-batch in flight, last layer first, with the layer names."""
+    layer_class, _ = _entry_points()
+    _check_positive_int("micro_batch_size", micro_batch_size)
+    _check_positive_int("sequence_length", sequence_length)
+    layers = _decoder_layers(model, layer_class)
+    if not layers:
+        raise RuntimeError(f"{_FEATURE} needs a model with Hugging Face decoder layers (GradientCheckpointingLayer), "
+                           f"got {type(model).__name__} without any.")
+    if dtype is None:
+        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.get_default_dtype())
+    if device is None:
+        from deepspeed.accelerator import get_accelerator
+        device = get_accelerator().device_name()
+    device = torch.device(device)
+    config = model.config
+    key_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    sizes, choices = [], {}
+    for name, layer in reversed(layers):
+        heads, head_dim = _attention_geometry(name, layer)
+        if (heads, head_dim) not in choices:
+            # The backend PyTorch picks for these shapes on that device decides the layout of what is kept.
+            query = torch.empty(1, heads, sequence_length, head_dim, device=device, dtype=dtype, requires_grad=True)
+            key = torch.empty(1, key_heads, sequence_length, head_dim, device=device, dtype=dtype)
+            choice = torch._fused_sdp_choice(query, key, key, None, 0.0, True, enable_gqa=key_heads != heads)
+            choices[heads, head_dim] = _ops_for(device.type, choice)
+        ops = choices[heads, head_dim]
+        sizes.append((name, ops.kept_bytes(micro_batch_size, heads, sequence_length, head_dim, dtype)))
+    return sizes
+
+
+def attention_stash_layer_bytes(model: torch.nn.Module,
+                                micro_batch_size: int,
+                                sequence_length: int,
+                                dtype: torch.dtype = None,
+                                device=None) -> int:
+    """Bytes one stashed decoder layer keeps per micro-batch in flight: one attention output plus its log-sum-exp.
+
+    Follows the real layout of the SDPA backend PyTorch picks for the model's attention shapes on ``device``
+    (DeepSpeed's accelerator by default) in ``dtype`` (the model's by default): the output in ``dtype``, the
+    log-sum-exp in FP32, padded where the kernel pads it. Per-kernel scalars of a few bytes are not counted. Raises,
+    like the stash itself, when PyTorch would pick a backend the stash cannot replay. For Qwen3-30B-A3B (32 query
+    heads, head dimension 128) at micro-batch 4 and sequence 4096 in bfloat16 this is 136 MB.
+    """
+    return _layer_bytes(model, micro_batch_size, sequence_length, dtype, device)[0][1]
+
+
+def attention_stash_layers_for_budget(model: torch.nn.Module,
+                                      memory_budget: int,
+                                      micro_batch_size: int,
+                                      sequence_length: int,
+                                      micro_batches_in_flight: int = 1,
+                                      dtype: torch.dtype = None,
+                                      device=None) -> int:
+    """The largest ``num_layers`` whose stash fits ``memory_budget`` bytes; 0 when not even one layer fits.
+
+    Each stashed layer keeps ``attention_stash_layer_bytes`` per micro-batch in flight: one, unless a schedule runs
+    several forwards before their backwards (pipeline schedules, or accumulation that does).
+    """
+    if isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float)) or not memory_budget >= 0:
+        raise ValueError(f"{_FEATURE} needs a memory_budget in bytes of 0 or more, got {memory_budget!r}.")
+    _check_positive_int("micro_batches_in_flight", micro_batches_in_flight)
+    total, fitting = 0, 0
+    for _, nbytes in _layer_bytes(model, micro_batch_size, sequence_length, dtype, device):
+        total += nbytes * micro_batches_in_flight
+        if total > memory_budget:
+            break
+        fitting += 1
+    return fitting
+
+
+class AttentionStashHandle:
+    """Returned by ``install_attention_stash``: names the stashed layers, counts what they keep, uninstalls them."""
+
+    def __init__(self, stashes, counters, attention_functions):
         self._stashes = stashes
+        self._counters = counters
         self._attention_functions = attention_functions
 
     @property
@@ -469,18 +614,27 @@ class AttentionStashHandle:
     @property
     def num_kept(self):
         """Attention outputs kept now, waiting for their recompute."""
-        return sum(len(stash.kept) for stash in self._stashes)
+        return self._counters.kept
 
     @property
     def kept_bytes(self):
         """Bytes of memory the kept outputs and their saved tensors hold now."""
-        storages = {
-            tensor.untyped_storage().data_ptr(): tensor.untyped_storage().nbytes()
-            for stash in self._stashes
-            for kept in stash.kept.values()
-            for tensor in (kept.out, *kept.tensors) if tensor is not None
-        }
-        return sum(storages.values())
+        return self._counters.kept_bytes
+
+    @property
+    def peak_kept_bytes(self):
+        """The most bytes kept at once since the install."""
+        return self._counters.peak_kept_bytes
+
+    @property
+    def recomputes_served(self):
+        """Recomputes that took a kept output instead of running the attention forward."""
+        return self._counters.recomputes_served
+
+    @property
+    def released_without_backward(self):
+        """Kept outputs released because their forward's graph was freed without a backward."""
+        return self._counters.released_without_backward
 
     def remove(self):
         """Uninstall: drop kept outputs and hooks; Hugging Face's sdpa entry returns when no stash is left."""
@@ -501,7 +655,13 @@ class AttentionStashHandle:
             _original_sdpa = None
 
 
-def install_attention_stash(model: torch.nn.Module, num_layers: int) -> AttentionStashHandle:
+def install_attention_stash(model: torch.nn.Module,
+                            num_layers: int = None,
+                            *,
+                            memory_budget: int = None,
+                            micro_batch_size: int = None,
+                            sequence_length: int = None,
+                            micro_batches_in_flight: int = 1) -> AttentionStashHandle:
     """Keep the attention output of the last ``num_layers`` decoder layers for their reentrant checkpoint recompute.
 
     ``model`` is a Hugging Face model loaded with ``attn_implementation="sdpa"`` and trained with per-layer reentrant
@@ -512,6 +672,11 @@ def install_attention_stash(model: torch.nn.Module, num_layers: int) -> Attentio
     output plus its log-sum-exp, held from the layer's forward to its recompute, and keyed by the layer's input so a
     backward only uses its own forward's output.
 
+    Instead of ``num_layers``, pass ``memory_budget`` in bytes with ``micro_batch_size`` and ``sequence_length`` (and
+    ``micro_batches_in_flight`` where a schedule keeps several): the stash then takes the most layers whose kept
+    outputs fit, as ``attention_stash_layers_for_budget`` counts them. Given the batch shape with ``num_layers`` too,
+    the install log line states the exact cost.
+
     Forwards without a backward (``torch.no_grad()``, eval mode, generation) run stock sdpa and keep nothing. What the
     stash cannot serve raises instead of falling back: an attention mask or dropout, a training forward outside a
     reentrant checkpoint, an SDPA backend without an exact replay, a second install on a layer.
@@ -520,14 +685,31 @@ def install_attention_stash(model: torch.nn.Module, num_layers: int) -> Attentio
     """
     global _original_sdpa
     layer_class, attention_functions = _entry_points()
-    if isinstance(num_layers, bool) or not isinstance(num_layers, int):
+    if (num_layers is None) == (memory_budget is None):
+        raise TypeError(f"{_FEATURE} needs exactly one of num_layers and memory_budget, got "
+                        f"{'both' if num_layers is not None else 'neither'}.")
+    if num_layers is not None and (isinstance(num_layers, bool) or not isinstance(num_layers, int)):
         raise TypeError(f"{_FEATURE} needs an integer num_layers, got {type(num_layers).__name__}.")
+    if memory_budget is not None and (micro_batch_size is None or sequence_length is None):
+        raise TypeError(f"{_FEATURE} needs micro_batch_size and sequence_length with memory_budget, to size what each "
+                        f"layer keeps.")
     config = getattr(model, "config", None)
     implementation = getattr(config, "_attn_implementation", None)
     if implementation != "sdpa":
         raise RuntimeError(f'{_FEATURE} needs a Hugging Face model with attn_implementation="sdpa", got '
                            f'{implementation!r}. Load it with from_pretrained(..., attn_implementation="sdpa").')
     layers = _decoder_layers(model, layer_class)
+    layer_bytes = None
+    if micro_batch_size is not None or sequence_length is not None:
+        if micro_batch_size is None or sequence_length is None:
+            raise TypeError(f"{_FEATURE} needs both micro_batch_size and sequence_length, or neither, got one.")
+        layer_bytes = attention_stash_layer_bytes(model, micro_batch_size, sequence_length)
+    if memory_budget is not None:
+        num_layers = attention_stash_layers_for_budget(model, memory_budget, micro_batch_size, sequence_length,
+                                                       micro_batches_in_flight)
+        if num_layers == 0:
+            raise ValueError(f"{_FEATURE} needs a memory_budget of at least one layer's {layer_bytes:,} bytes per "
+                             f"micro-batch in flight x {micro_batches_in_flight}, got {memory_budget:,}.")
     if not 1 <= num_layers <= len(layers):
         raise ValueError(f"{_FEATURE} needs num_layers from 1 to the model's {len(layers)} decoder layers, got "
                          f"{num_layers}.")
@@ -537,15 +719,24 @@ def install_attention_stash(model: torch.nn.Module, num_layers: int) -> Attentio
             raise RuntimeError(f"{_FEATURE} needs one install per decoder layer, got a second one on {name}. Call "
                                f"remove() on the first handle before installing again.")
 
+    counters = _Counters()
     stashes = []
     for name, layer in chosen:
-        stash = _LayerStash(name, layer, config)
+        stash = _LayerStash(name, layer, config, counters)
         for module in layer.modules():
             _STASHES[module] = stash
         stashes.append(stash)
     if _original_sdpa is None:
         _original_sdpa = attention_functions["sdpa"]
         attention_functions["sdpa"] = _stashing_sdpa
+    if layer_bytes is None:
+        heads, head_dim = _attention_geometry(*chosen[-1])
+        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.get_default_dtype())
+        cost = (f"{heads * (head_dim * dtype.itemsize + 4):,} bytes per token and layer of each micro-batch in flight "
+                f"in {dtype} (give micro_batch_size and sequence_length for the exact figure)")
+    else:
+        cost = (f"{layer_bytes * num_layers:,} bytes per micro-batch in flight ({layer_bytes:,} per layer at "
+                f"micro-batch {micro_batch_size}, sequence {sequence_length})")
     logger.info(f"{_FEATURE}: keeping the attention output of {num_layers} of {len(layers)} decoder layers "
-                f"({chosen[0][0]} to {chosen[-1][0]}) for their recompute.")
-    return AttentionStashHandle(stashes, attention_functions)
+                f"({chosen[0][0]} to {chosen[-1][0]}) for their recompute: {cost}.")
+    return AttentionStashHandle(stashes, counters, attention_functions)

@@ -39,7 +39,7 @@ def test_bench_arms_agree_and_keep_the_formula(bench, tmp_path, capsys):
     for arm in arms.values():
         assert len(arm["run_medians_ms"]) == 2 and len(arm["losses"]) == 2
     formula = 1 * 8 * 64 * (64 * 4 + 4)  # micro-batch x heads x sequence x (head dim x fp32 bytes + FP32 LSE)
-    assert result["kept_bytes_formula"] == formula
+    assert result["kept_bytes_predicted"] == formula
     assert arms["stash 1 layers"]["kept_bytes"] == formula and arms["stash 2 layers"]["kept_bytes"] == 2 * formula
     table = capsys.readouterr().out.rsplit("\n\n", 2)
     assert "arms agree" in table[-1] and "selective AC (SDPA)" in table[-2]

@@ -1,0 +1,175 @@
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""The memory planner, the budget install, the handle's counters and the install log line."""
+
+import gc
+import logging
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from deepspeed.runtime.activation_checkpointing import attention_stash
+from deepspeed.runtime.activation_checkpointing.attention_stash import (attention_stash_layer_bytes,
+                                                                        attention_stash_layers_for_budget,
+                                                                        install_attention_stash)
+from deepspeed.utils import logger
+
+from attention_stash_helpers import NUM_LAYERS, batch_ids, checkpointed, mixtral_model, qwen3_moe_model
+
+
+@pytest.fixture
+def install():
+    handles = []
+
+    def _install(model, *args, **kwargs):
+        handle = install_attention_stash(model, *args, **kwargs)
+        handles.append(handle)
+        return handle
+
+    yield _install
+    for handle in handles:
+        handle.remove()
+
+
+def _forward(model, batch, sequence, seed=1):
+    ids = batch_ids(seed=seed, batch=batch, sequence=sequence)
+    return model(input_ids=ids, labels=ids).loss
+
+
+@pytest.mark.parametrize("make_model, dtype, batch, sequence, heads, head_dim", [
+    (mixtral_model, torch.float32, 2, 32, 4, 16),
+    (mixtral_model, torch.bfloat16, 2, 17, 4, 16),
+    (qwen3_moe_model, torch.float32, 1, 64, 4, 16),
+    (qwen3_moe_model, torch.bfloat16, 3, 40, 4, 16),
+],
+                         ids=["mixtral-fp32", "mixtral-bf16", "qwen3_moe-fp32", "qwen3_moe-bf16"])
+def test_formula_matches_the_bytes_kept(install, make_model, dtype, batch, sequence, heads, head_dim):
+    """Grouped key/value heads (2 of 4) do not count: the output has the query heads."""
+    model = checkpointed(make_model(dtype))
+    predicted = attention_stash_layer_bytes(model, batch, sequence, device="cpu")
+    # The CPU kernel's layout: the output in the model's dtype, the log-sum-exp in FP32.
+    assert predicted == batch * heads * sequence * (head_dim * dtype.itemsize + 4)
+    handle = install(model, 2)
+    loss = _forward(model, batch, sequence)
+    assert handle.kept_bytes == 2 * predicted
+    loss.backward()
+    assert handle.kept_bytes == 0
+
+
+def test_qwen3_30b_a3b_example():
+    """The documented example: 136 MB per layer at micro-batch 4 and sequence 4096 in bfloat16, on each backend."""
+    shape = dict(batch=4, heads=32, sequence=4096, head_dim=128, dtype=torch.bfloat16)
+    for ops in (attention_stash._CudnnOps, attention_stash._FlashOps, attention_stash._CpuFlashOps,
+                attention_stash._EfficientOps):
+        assert ops.kept_bytes(**shape) == 4 * 32 * 4096 * (128 * 2 + 4) == 136_314_880
+    # Layouts that differ: flash pads the head dimension to 8, memory-efficient the log-sum-exp rows to 32.
+    assert attention_stash._FlashOps.kept_bytes(1, 2, 10, 12, torch.float16) == 1 * 2 * 10 * (16 * 2 + 4)
+    assert attention_stash._EfficientOps.kept_bytes(1, 2, 10, 12, torch.float16) == 1 * 2 * (10 * 12 * 2 + 32 * 4)
+
+
+def test_budget_at_the_edges(install):
+    model = checkpointed(mixtral_model())
+    per_layer = attention_stash_layer_bytes(model, 2, 32, device="cpu")
+
+    def fitting(budget, in_flight=1):
+        return attention_stash_layers_for_budget(model, budget, 2, 32, in_flight, device="cpu")
+
+    assert fitting(per_layer - 1) == 0
+    assert fitting(per_layer) == 1
+    assert fitting(2 * per_layer) == 2 and fitting(3 * per_layer - 1) == 2
+    assert fitting(2 * per_layer, in_flight=2) == 1
+    assert fitting(100 * per_layer) == NUM_LAYERS
+
+    with pytest.raises(ValueError, match=f"needs a memory_budget of at least one layer's {per_layer:,} bytes"):
+        install_attention_stash(model, memory_budget=per_layer - 1, micro_batch_size=2, sequence_length=32)
+    handle = install(model, memory_budget=2 * per_layer + 1, micro_batch_size=2, sequence_length=32)
+    assert handle.layers == ("model.layers.1", "model.layers.2")
+    loss = _forward(model, 2, 32)
+    assert handle.kept_bytes == 2 * per_layer <= 2 * per_layer + 1
+    loss.backward()
+
+
+def test_counters_across_steps(install):
+    model = checkpointed(mixtral_model())
+    per_layer = attention_stash_layer_bytes(model, 2, 32, device="cpu")
+    handle = install(model, NUM_LAYERS)
+
+    loss = _forward(model, 2, 32)
+    assert handle.num_kept == NUM_LAYERS
+    assert handle.kept_bytes == handle.peak_kept_bytes == NUM_LAYERS * per_layer
+    loss.backward()
+    assert handle.num_kept == handle.kept_bytes == handle.released_without_backward == 0
+    assert handle.recomputes_served == NUM_LAYERS
+
+    # A dropped forward.
+    loss = _forward(model, 2, 32)
+    del loss
+    gc.collect()
+    assert (handle.num_kept, handle.kept_bytes, handle.released_without_backward) == (0, 0, NUM_LAYERS)
+
+    # Gradient accumulation with three micro-batches in flight.
+    losses = [_forward(model, 2, 32, seed=seed) for seed in range(3)]
+    assert handle.kept_bytes == handle.peak_kept_bytes == 3 * NUM_LAYERS * per_layer
+    for loss in losses:
+        loss.backward()
+    assert (handle.num_kept, handle.kept_bytes, handle.recomputes_served) == (0, 0, 4 * NUM_LAYERS)
+    assert handle.peak_kept_bytes == 3 * NUM_LAYERS * per_layer
+
+
+def test_install_log_line(install):
+    records = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append
+    logger.addHandler(handler)
+    previous = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        model = checkpointed(mixtral_model())
+        install(model, 2)
+        install(checkpointed(mixtral_model()), 1, micro_batch_size=2, sequence_length=32)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(previous)
+    messages = [record.getMessage() for record in records]
+    assert len(messages) == 2
+    assert "keeping the attention output of 2 of 3 decoder layers (model.layers.1 to model.layers.2)" in messages[0]
+    assert f"{4 * (16 * 4 + 4):,} bytes per token and layer of each micro-batch in flight" in messages[0]
+    per_layer = 2 * 4 * 32 * (16 * 4 + 4)
+    assert f"{per_layer:,} bytes per micro-batch in flight ({per_layer:,} per layer at micro-batch 2" in messages[1]
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(num_layers=1, memory_budget=10**9), TypeError, "exactly one of num_layers and memory_budget, got both"),
+    (dict(), TypeError, "exactly one of num_layers and memory_budget, got neither"),
+    (dict(memory_budget=10**9), TypeError, "needs micro_batch_size and sequence_length with memory_budget"),
+    (dict(num_layers=1, micro_batch_size=2), TypeError, "needs both micro_batch_size and sequence_length, or neither"),
+    (dict(memory_budget=-1, micro_batch_size=2,
+          sequence_length=32), ValueError, "memory_budget in bytes of 0 or more"),
+    (dict(memory_budget=True, micro_batch_size=2, sequence_length=32), ValueError, "memory_budget in bytes of 0 or"),
+    (dict(memory_budget="1GB", micro_batch_size=2, sequence_length=32), ValueError, "memory_budget in bytes of 0"),
+    (dict(memory_budget=10**9, micro_batch_size=0,
+          sequence_length=32), ValueError, "a positive micro_batch_size, got 0"),
+    (dict(memory_budget=10**9, micro_batch_size=2, sequence_length=2.5), TypeError, "an integer sequence_length, got"),
+    (dict(memory_budget=10**9, micro_batch_size=2, sequence_length=32,
+          micro_batches_in_flight=0), ValueError, "a positive micro_batches_in_flight, got 0"),
+])
+def test_rejects_bad_arguments(kwargs, error, message):
+    model = checkpointed(mixtral_model())
+    with pytest.raises(error, match=message):
+        install_attention_stash(model, **kwargs)
+    assert model.model.layers[2] not in attention_stash._STASHES
+
+
+def test_planner_rejects_what_the_stash_cannot_serve():
+    model = checkpointed(mixtral_model())
+    with sdpa_kernel(SDPBackend.MATH), pytest.raises(RuntimeError,
+                                                     match="a fused SDPA backend it can replay: .*got MATH"):
+        attention_stash_layer_bytes(model, 2, 32, device="cpu")
+    for layer in model.model.layers:
+        del layer.self_attn.head_dim
+    with pytest.raises(RuntimeError,
+                       match="needs an attention module with config.num_attention_heads and a head_dim in "
+                       "model.layers.2"):
+        attention_stash_layer_bytes(model, 2, 32, device="cpu")
