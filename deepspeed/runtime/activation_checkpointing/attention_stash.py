@@ -586,11 +586,16 @@ def attention_stash_layers_for_budget(model: torch.nn.Module,
     Each stashed layer keeps ``attention_stash_layer_bytes`` per micro-batch in flight: one, unless a schedule runs
     several forwards before their backwards (pipeline schedules, or accumulation that does).
     """
+    return _fitting_layers(_layer_bytes(model, micro_batch_size, sequence_length, dtype, device), memory_budget,
+                           micro_batches_in_flight)
+
+
+def _fitting_layers(sizes, memory_budget, micro_batches_in_flight):
     if isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float)) or not memory_budget >= 0:
         raise ValueError(f"{_FEATURE} needs a memory_budget in bytes of 0 or more, got {memory_budget!r}.")
     _check_positive_int("micro_batches_in_flight", micro_batches_in_flight)
     total, fitting = 0, 0
-    for _, nbytes in _layer_bytes(model, micro_batch_size, sequence_length, dtype, device):
+    for _, nbytes in sizes:
         total += nbytes * micro_batches_in_flight
         if total > memory_budget:
             break
@@ -697,16 +702,18 @@ def install_attention_stash(model: torch.nn.Module,
     implementation = getattr(config, "_attn_implementation", None)
     if implementation != "sdpa":
         raise RuntimeError(f'{_FEATURE} needs a Hugging Face model with attn_implementation="sdpa", got '
-                           f'{implementation!r}. Load it with from_pretrained(..., attn_implementation="sdpa").')
+                           f'{implementation!r} on {type(model).__name__}. Load it with from_pretrained(..., '
+                           f'attn_implementation="sdpa"), and pass the model itself (engine.module of a DeepSpeed '
+                           f'engine).')
     layers = _decoder_layers(model, layer_class)
     layer_bytes = None
     if micro_batch_size is not None or sequence_length is not None:
         if micro_batch_size is None or sequence_length is None:
             raise TypeError(f"{_FEATURE} needs both micro_batch_size and sequence_length, or neither, got one.")
-        layer_bytes = attention_stash_layer_bytes(model, micro_batch_size, sequence_length)
+        sizes = _layer_bytes(model, micro_batch_size, sequence_length, None, None)
+        layer_bytes = sizes[0][1]
     if memory_budget is not None:
-        num_layers = attention_stash_layers_for_budget(model, memory_budget, micro_batch_size, sequence_length,
-                                                       micro_batches_in_flight)
+        num_layers = _fitting_layers(sizes, memory_budget, micro_batches_in_flight)
         if num_layers == 0:
             raise ValueError(f"{_FEATURE} needs a memory_budget of at least one layer's {layer_bytes:,} bytes per "
                              f"micro-batch in flight x {micro_batches_in_flight}, got {memory_budget:,}.")

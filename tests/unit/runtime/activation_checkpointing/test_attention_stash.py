@@ -311,8 +311,9 @@ def test_head_dim_padding_for_kernels_that_need_it(install, monkeypatch):
 
 
 def test_rejects_other_attention_implementations():
-    with pytest.raises(RuntimeError,
-                       match='needs a Hugging Face model with attn_implementation="sdpa", got \'eager\''):
+    with pytest.raises(
+            RuntimeError,
+            match='needs a Hugging Face model with attn_implementation="sdpa", got \'eager\' on MixtralForCausalLM'):
         install_attention_stash(mixtral_model(attn_implementation="eager"), 1)
 
 
