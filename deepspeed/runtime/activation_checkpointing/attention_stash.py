@@ -223,8 +223,8 @@ def _ops_for(device_type, choice):
         raise RuntimeError(
             f"{_FEATURE} needs PyTorch to choose a fused SDPA backend it can replay: {served}; got "
             f"{_BACKEND_NAMES.get(choice, choice)} on {device_type}. The math backend and any other have "
-            f"no exact replay. An sdpa_kernel context, torch.use_deterministic_algorithms(True), an "
-            f"fp32 model on CUDA or an unsupported head dimension changes the choice.")
+            f"no exact replay. An sdpa_kernel context, torch.use_deterministic_algorithms(True), or a "
+            f"dtype or head dimension no fused kernel takes changes the choice.")
     return ops
 
 
@@ -415,9 +415,10 @@ class _StashedSdpaCall(TorchFunctionMode):
             return func(*args, **kwargs)
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa = _sdpa_arguments(*args, **kwargs)
         if attn_mask is not None:
-            raise RuntimeError(f"{_FEATURE} needs attention without a mask in {self.stash.name}, got an attention "
-                               f"mask, as padding makes. Train on unpadded (packed or equal-length) sequences with "
-                               f"attention_mask=None, or remove the stash.")
+            raise RuntimeError(
+                f"{_FEATURE} needs attention without a mask in {self.stash.name}, got an attention "
+                f"mask, as padding (or packing with per-document masks) makes. Train on equal-length or "
+                f"concatenated sequences with attention_mask=None, or remove the stash.")
         if dropout_p != 0.0:
             raise RuntimeError(f"{_FEATURE} needs attention dropout 0 in {self.stash.name}, got {dropout_p}. Set the "
                                f"model config's attention_dropout to 0.0, or remove the stash.")
