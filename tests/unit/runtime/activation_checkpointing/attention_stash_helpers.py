@@ -75,6 +75,16 @@ def train_step(model, ids):
     return loss.detach(), param_grads(model)
 
 
+def stashed_train_step(model, handle, ids):
+    """train_step, checking that every stashed layer keeps its output until the backward takes it."""
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=ids).loss
+    assert handle.num_kept == len(handle.layers)
+    loss.backward()
+    assert handle.num_kept == 0
+    return loss.detach(), param_grads(model)
+
+
 def assert_same_grads(grads, expected):
     assert grads.keys() == expected.keys()
     for name, grad in grads.items():

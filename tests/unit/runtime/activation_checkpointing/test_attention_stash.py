@@ -21,7 +21,8 @@ from deepspeed.runtime.activation_checkpointing import attention_stash
 from deepspeed.runtime.activation_checkpointing.attention_stash import install_attention_stash
 
 from attention_stash_helpers import (CPU_BACKWARD, CPU_FORWARD, MODELS, NUM_LAYERS, CountOps, assert_same_grads,
-                                     batch_ids, checkpointed, mixtral_model, param_grads, qwen3_moe_model, train_step)
+                                     batch_ids, checkpointed, mixtral_model, param_grads, qwen3_moe_model,
+                                     stashed_train_step, train_step)
 
 
 @pytest.fixture
@@ -85,12 +86,9 @@ def test_checkpointing_enabled_after_install(install):
     model = qwen3_moe_model().train()
     handle = install(model, NUM_LAYERS)
     checkpointed(model)
-    model.zero_grad(set_to_none=True)
-    loss = model(input_ids=ids, labels=ids).loss
-    assert handle.num_kept == NUM_LAYERS
-    loss.backward()
-    assert torch.equal(loss.detach(), expected_loss)
-    assert_same_grads(param_grads(model), expected)
+    loss, grads = stashed_train_step(model, handle, ids)
+    assert torch.equal(loss, expected_loss)
+    assert_same_grads(grads, expected)
 
 
 class _Identity(torch.autograd.Function):
@@ -112,13 +110,9 @@ def test_other_pre_hooks_replacing_the_layer_input(install):
     expected_loss, expected = train_step(model, ids)
     for layer in model.model.layers:
         layer.register_forward_pre_hook(lambda module, args: (_Identity.apply(args[0]), *args[1:]))
-    handle = install(model, NUM_LAYERS)
-    model.zero_grad(set_to_none=True)
-    loss = model(input_ids=ids, labels=ids).loss
-    assert handle.num_kept == NUM_LAYERS
-    loss.backward()
-    assert torch.equal(loss.detach(), expected_loss)
-    assert_same_grads(param_grads(model), expected)
+    loss, grads = stashed_train_step(model, install(model, NUM_LAYERS), ids)
+    assert torch.equal(loss, expected_loss)
+    assert_same_grads(grads, expected)
 
 
 def test_grouped_heads_either_way(install, monkeypatch):
