@@ -280,7 +280,7 @@ def run_arm(engine, initial, batches, settings, arm):
     handle = install_attention_stash(model, arm["stashed"]) if arm["stashed"] else None
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    times, losses, kept, peak_live, peak_rss = [], [], [], None, None
+    times, losses, peak_live, peak_rss, kept = [], [], None, None, 0
     try:
         for index, ids in enumerate(batches):
             # On CPU the first, untimed step measures memory: live tensor bytes and the process's resident set.
@@ -290,8 +290,6 @@ def run_arm(engine, initial, batches, settings, arm):
             start = time.perf_counter()
             with rss, live:
                 loss = engine(input_ids=ids, labels=ids).loss
-                if handle is not None:
-                    kept.append(handle.kept_bytes)
                 engine.backward(loss)
                 engine.step()
             _synchronize(device)
@@ -303,6 +301,7 @@ def run_arm(engine, initial, batches, settings, arm):
                 times.append(elapsed)
             if handle is not None and handle.num_kept:
                 raise RuntimeError(f"{handle.num_kept} stashed outputs left after the backward")
+        kept = handle.peak_kept_bytes if handle is not None else 0
     finally:
         if handle is not None:
             handle.remove()
@@ -310,7 +309,7 @@ def run_arm(engine, initial, batches, settings, arm):
         "times_ms": times,
         "median_ms": statistics.median(times),
         "losses": losses,
-        "kept_bytes": max(kept, default=0),
+        "kept_bytes": kept,
         "peak_allocated_bytes": torch.cuda.max_memory_allocated() if device == "cuda" else None,
         "peak_rss_bytes": peak_rss,
         "peak_live_bytes": peak_live,
