@@ -411,11 +411,16 @@ def format_table(settings, by_arm, attention_ms, backend, predicted_bytes, repea
     return "\n".join(lines)
 
 
-def plot(path, settings, by_arm):
+def _matplotlib():
     try:
         import matplotlib
     except ImportError:
         sys.exit("attention_stash_bench --plot needs matplotlib: pip install matplotlib")
+    return matplotlib
+
+
+def plot(path, settings, by_arm):
+    matplotlib = _matplotlib()
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -443,6 +448,8 @@ def plot(path, settings, by_arm):
 
 def main(argv=None):
     args, settings = parse_args(argv)
+    if args.plot:
+        _matplotlib()  # before the runs, not after them
     if settings["device"] == "cpu":
         torch.set_num_threads(max(1, os.cpu_count() or 1))
     deepspeed = _init_deepspeed(settings["device"])
