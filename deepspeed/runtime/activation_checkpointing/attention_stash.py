@@ -521,6 +521,10 @@ def _attention_geometry(name, layer):
                        f"{name} to plan its memory, got none.")
 
 
+def _model_dtype(model):
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.get_default_dtype())
+
+
 def _check_positive_int(name, value):
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{_FEATURE} needs an integer {name}, got {type(value).__name__}.")
@@ -538,7 +542,7 @@ def _layer_bytes(model, micro_batch_size, sequence_length, dtype, device):
         raise RuntimeError(f"{_FEATURE} needs a model with Hugging Face decoder layers (GradientCheckpointingLayer), "
                            f"got {type(model).__name__} without any.")
     if dtype is None:
-        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.get_default_dtype())
+        dtype = _model_dtype(model)
     if device is None:
         from deepspeed.accelerator import get_accelerator
         device = get_accelerator().device_name()
@@ -739,7 +743,7 @@ def install_attention_stash(model: torch.nn.Module,
         attention_functions["sdpa"] = _stashing_sdpa
     if layer_bytes is None:
         heads, head_dim = _attention_geometry(*chosen[-1])
-        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.get_default_dtype())
+        dtype = _model_dtype(model)
         cost = (f"{heads * (head_dim * dtype.itemsize + 4):,} bytes per token and layer of each micro-batch in flight "
                 f"in {dtype} (give micro_batch_size and sequence_length for the exact figure)")
     else:

@@ -173,3 +173,8 @@ def test_planner_rejects_what_the_stash_cannot_serve():
                        match="needs an attention module with config.num_attention_heads and a head_dim in "
                        "model.layers.2"):
         attention_stash_layer_bytes(model, 2, 32, device="cpu")
+
+
+def test_planner_rejects_a_model_without_decoder_layers():
+    with pytest.raises(RuntimeError, match="needs a model with Hugging Face decoder layers .*got Linear without any"):
+        attention_stash_layer_bytes(torch.nn.Linear(2, 2), 2, 32, device="cpu")
