@@ -386,13 +386,13 @@ def format_table(settings, by_arm, attention_ms, backend, predicted_bytes, repea
                  f"{settings['kv_heads']} key/value heads, {settings['dtype']}, {device}, SDPA backend {backend}")
     for row in by_arm:
         if row["kind"] == "stash":
-            lines.append(
-                f"saved per stashed layer and micro-batch, {row['stashed']} layers: {row['saved_per_layer_ms']:.2f} ms "
-                f"(sweeps {' / '.join(f'{saved:.1f}' for saved in row['saved_per_layer_by_sweep_ms'])}) = "
-                f"{row['saved_fraction_of_attention']:.0%} of the "
-                f"attention forward; kept {row['kept_per_layer_bytes']:,.0f} B per layer against the "
-                f"planner's {predicted_bytes:,} B (output + FP32 LSE), "
-                f"{row['kept_per_layer_bytes'] / predicted_bytes - 1:+.2%}")
+            lines.append(f"saved per stashed layer and micro-batch, {row['stashed']} layers: "
+                         f"{row['saved_per_layer_ms']:.2f} ms "
+                         f"(sweeps {' / '.join(f'{saved:.1f}' for saved in row['saved_per_layer_by_sweep_ms'])}) = "
+                         f"{row['saved_fraction_of_attention']:.0%} of the "
+                         f"attention forward; kept {row['kept_per_layer_bytes']:,.0f} B per layer against the "
+                         f"planner's {predicted_bytes:,} B (output + FP32 LSE), "
+                         f"{row['kept_per_layer_bytes'] / predicted_bytes - 1:+.2%}")
     kinds = {row["kind"]: row for row in by_arm if row["kind"] != "stash"}
     if "selective" in kinds:
         full = max((row for row in by_arm if row["kind"] == "stash"), key=lambda row: row["stashed"])

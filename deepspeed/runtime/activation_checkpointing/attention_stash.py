@@ -6,38 +6,37 @@ Keep the attention output of Hugging Face decoder layers for their reentrant che
 
 With per-layer reentrant activation checkpointing, the backward pass runs every decoder layer forward again. For the
 layers it is installed on, the attention stash keeps the first forward's attention output and log-sum-exp and hands
-them to the attention backward kernel, so the recompute skips the attention forward kernel. The memory cost is one
-attention output plus its log-sum-exp per stashed layer, from the layer's forward to its recompute.
+them to the attention backward, so the recompute skips the attention forward kernel. The memory cost is one attention
+output plus its log-sum-exp per stashed layer, from the layer's forward to its recompute.
 
 transformers is imported lazily, by ``install_attention_stash``.
 """
 
 import math
+import threading
+import types
 import weakref
+from functools import partial
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 from torch.nn.attention import SDPBackend
-from torch.overrides import TorchFunctionMode
+from torch.autograd.function import once_differentiable
 
 from deepspeed.utils import logger
 
 aten = torch.ops.aten
 
 _FEATURE = "attention stash"
-# The keyword argument through which a stashed layer's forward pre-hook hands the layer's input to its attention call.
-# Transformers' decoder layers pass their keyword arguments on to the attention function, and both checkpoint layouts
-# bind them to the checkpointed function, so the recompute receives them too.
-_LAYER_INPUT_KWARG = "attention_stash_layer_input"
-_MISSING = object()
+# The builtin that Hugging Face's sdpa function calls.
+_SDPA = F.scaled_dot_product_attention
 # PyTorch entry points beyond the public API; the installer checks them, with the aten ops of the backend table.
 _TORCH_ENTRY_POINTS = ("_fused_sdp_choice", "_C._current_graph_task_id",
-                       "_C._autograd._top_saved_tensors_default_hooks")
-_REENTRANT_HINT = ('model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True}) '
-                   '(activation_checkpointing_enable(activation_checkpointing_kwargs=...) from transformers 5.23)')
-# The builtin Hugging Face's sdpa function reaches, even through wrappers of F.scaled_dot_product_attention.
-_SDPA = F.scaled_dot_product_attention
+                       "_C._dynamo.eval_frame.get_eval_frame_callback")
+# The attribute in which Hugging Face keeps a decoder layer's checkpoint function, read at every checkpointed call.
+_CHECKPOINT_FUNCTION = "_gradient_checkpointing_func"
+_REENTRANT_HINT = ('model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True}) '
+                   '(gradient_checkpointing_enable(gradient_checkpointing_kwargs=...) up to transformers 5.22)')
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Per-backend op table. Each entry runs the aten forward that F.scaled_dot_product_attention dispatches to for the
@@ -124,7 +123,7 @@ class _FlashOps:
 
     name = "flash attention"
     ops = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward")
-    # F.sdpa pads the head dimension to a multiple of 8 for this kernel and slices its output back; the caller does too.
+    # F.sdpa pads the head dimension to a multiple of 8 for this kernel and slices its output back; so does the stash.
     head_dim_multiple = 8
 
     @staticmethod
@@ -229,144 +228,6 @@ def _ops_for(device_type, choice):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Keyed store: one per stashed decoder layer.
-# ---------------------------------------------------------------------------------------------------------------------
-
-
-class _Kept:
-    """What one first forward keeps for its recompute."""
-
-    __slots__ = ("ops", "out", "tensors", "scalars", "nbytes", "finalizer")
-
-    def __init__(self, ops, out, tensors, scalars):
-        self.ops, self.out, self.tensors, self.scalars = ops, out, tensors, scalars
-        storages = {
-            t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-            for t in (out, *tensors) if t is not None
-        }
-        self.nbytes = sum(storages.values())
-        self.finalizer = None
-
-
-class _Counters:
-    """What the stashes of one install keep and serve, for its handle."""
-
-    def __init__(self):
-        self.kept = self.kept_bytes = self.peak_kept_bytes = 0
-        self.recomputes_served = self.released_without_backward = 0
-
-    def add(self, kept):
-        self.kept += 1
-        self.kept_bytes += kept.nbytes
-        self.peak_kept_bytes = max(self.peak_kept_bytes, self.kept_bytes)
-
-    def drop(self, kept):
-        self.kept -= 1
-        self.kept_bytes -= kept.nbytes
-
-
-def _input_key(layer_input):
-    # The reentrant recompute runs on a detached alias of the layer's input: another Python object with the same
-    # storage and version counter. While the checkpoint holds that input no other live tensor has its data pointer,
-    # so a recompute finds only its own forward's output.
-    return layer_input.data_ptr(), layer_input._version, tuple(layer_input.shape)
-
-
-class _LayerStash:
-    """The kept attention outputs of one decoder layer, keyed by the layer's input."""
-
-    def __init__(self, name, layer, config, counters):
-        self.name = name
-        self._layer = weakref.ref(layer)
-        self._config = config
-        self._counters = counters
-        self.kept = {}
-        # First among the layer's pre-hooks, so it sees the layer's own input: others may replace it, as ZeRO-3's does
-        # with an autograd function, whose output inside the checkpoint's no-grad forward does not require grad.
-        self._hook = layer.register_forward_pre_hook(self._pass_layer_input, prepend=True, with_kwargs=True)
-
-    def _pass_layer_input(self, layer, args, kwargs):
-        # Transformers <= 5.22 checkpoints the layer's __call__, so this hook runs in the first forward and in the
-        # recompute, on the input each of them gets. From 5.23 it checkpoints forward and the hook runs once, before
-        # the checkpoint, which binds these keyword arguments for the recompute as well.
-        if layer.training and self._config._attn_implementation != "sdpa":
-            raise RuntimeError(f'{_FEATURE} needs attn_implementation="sdpa" for {self.name}, got '
-                               f'"{self._config._attn_implementation}". Remove the stash before switching the '
-                               f"attention implementation.")
-        layer_input = args[0] if args and isinstance(args[0], torch.Tensor) else None
-        return args, {**kwargs, _LAYER_INPUT_KWARG: layer_input}
-
-    def keep(self, layer_input, kept):
-        key = _input_key(layer_input)
-        if key in self.kept:
-            raise RuntimeError(
-                f"{_FEATURE} needs a distinct input for each forward of {self.name} before its "
-                f"backward and one attention call per forward, got a second output for one input: the "
-                f"same tensor passed to two forwards (pass a new tensor to each), or a layer that calls "
-                f"attention twice (remove the stash from it).")
-        # A forward whose graph is freed without a backward frees its input with it; its output goes too.
-        kept.finalizer = weakref.finalize(layer_input, self._release, key)
-        self.kept[key] = kept
-        self._counters.add(kept)
-
-    def _release(self, key):
-        kept = self.kept.pop(key, None)
-        if kept is not None:
-            self._counters.drop(kept)
-            self._counters.released_without_backward += 1
-
-    def take(self, layer_input):
-        kept = None if layer_input is None else self.kept.pop(_input_key(layer_input), None)
-        if kept is None:
-            raise RuntimeError(f"{_FEATURE} needs a kept attention output for the recompute of {self.name}, got none "
-                               f"for its input. Install the stash before the forward, not between a forward and its "
-                               f"backward, and do not remove it in between.")
-        kept.finalizer.detach()
-        self._counters.drop(kept)
-        self._counters.recomputes_served += 1
-        return kept
-
-    def clear(self):
-        for kept in self.kept.values():
-            kept.finalizer.detach()
-            self._counters.drop(kept)
-        self.kept.clear()
-
-    def remove(self):
-        self._hook.remove()
-        self.clear()
-
-    def check_training_pass(self, layer_input):
-        """Return whether this training call is the recompute (True) or the first forward (False); None: neither."""
-        if layer_input is _MISSING:
-            raise RuntimeError(f"{_FEATURE} needs {self.name} to pass its keyword arguments on to the attention "
-                               f"function, got an sdpa call without them. The layer's forward must forward **kwargs "
-                               f"to its attention module, and the stash must be installed before the forward.")
-        if torch.is_grad_enabled():
-            if torch._C._current_graph_task_id() == -1:
-                layer = self._layer()
-                if layer is not None and layer.gradient_checkpointing:
-                    cause = "non-reentrant checkpointing, transformers' default"
-                else:
-                    cause = "no activation checkpointing"
-                raise RuntimeError(f"{_FEATURE} needs Hugging Face reentrant activation checkpointing for a training "
-                                   f"forward of {self.name}, got {cause}. Call {_REENTRANT_HINT}, or put the model in "
-                                   f"eval mode or torch.no_grad() for forwards without a backward.")
-            return True
-        # Inside the reentrant checkpoint the first forward runs without grad on an input that requires it; any other
-        # forward without grad has no backward to serve.
-        if layer_input is None or not layer_input.requires_grad:
-            return None
-        if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
-            # Such hooks pack the checkpoint's saved input, so the recompute would run on another tensor.
-            raise RuntimeError(f"{_FEATURE} needs the reentrant checkpoint of {self.name} to save its input as it is, "
-                               f"got saved-tensor hooks around it (activation offload: activation_checkpointing_enable"
-                               f"(offload=True) or torch.autograd.graph.save_on_cpu). Turn the offload off or remove "
-                               f"the stash.")
-        return False
-
-
-# ---------------------------------------------------------------------------------------------------------------------
 # Autograd node of the recompute: returns the kept output, and its backward is the backend's attention backward.
 # ---------------------------------------------------------------------------------------------------------------------
 
@@ -375,9 +236,10 @@ class _StashedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, key, value, kept, is_causal, scale):
-        ctx.save_for_backward(query, key, value, kept.out, *kept.tensors)
-        ctx.ops, ctx.scalars, ctx.is_causal, ctx.scale = kept.ops, kept.scalars, is_causal, scale
-        return kept.out
+        ops, out, tensors, scalars = kept
+        ctx.save_for_backward(query, key, value, out, *tensors)
+        ctx.ops, ctx.scalars, ctx.is_causal, ctx.scale = ops, scalars, is_causal, scale
+        return out
 
     # Like autograd's own node for these ops, the backward kernels are not differentiable again.
     @staticmethod
@@ -389,46 +251,99 @@ class _StashedAttention(torch.autograd.Function):
         return grad_query, grad_key, grad_value, None, None, None
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# The wrapper of Hugging Face's "sdpa" attention function.
-# ---------------------------------------------------------------------------------------------------------------------
-
-
 def _sdpa_arguments(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     return query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
 
 
-class _StashedSdpaCall(TorchFunctionMode):
-    """Runs one Hugging Face sdpa call with its F.scaled_dot_product_attention served by the stash.
+# ---------------------------------------------------------------------------------------------------------------------
+# One checkpoint call of a stashed layer.
+# ---------------------------------------------------------------------------------------------------------------------
 
-    Hugging Face prepares the call (grouped heads, causality, scale) and post-processes its output as it always does;
-    only the attention kernel is swapped, with the arguments F.sdpa itself received.
+
+class _ThreadState(threading.local):
+    # The checkpoint call whose layer function runs on this thread now, if any: the one its attention call serves.
+    call = None
+
+
+_state = _ThreadState()
+
+
+class _CheckpointCall:
+    """One checkpointed call of a stashed decoder layer.
+
+    The stash hands it to the layer's checkpoint function in place of the layer's function, so the checkpoint runs
+    it in both of its passes, the first forward and the recompute in the backward, and holds it exactly as long as its
+    graph. What its first pass keeps lives in it: released when the recompute takes it, or with the graph.
     """
 
-    def __init__(self, stash, layer_input, recompute):
-        super().__init__()
-        self.stash, self.layer_input, self.recompute = stash, layer_input, recompute
+    __slots__ = ("stash", "function", "passes", "attended", "kept", "nbytes", "__weakref__")
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is not _SDPA:
-            return func(*args, **kwargs)
+    def __init__(self, stash, function):
+        self.stash, self.function = stash, function
+        self.passes = 0
+        self.attended = False
+        self.kept = None
+        self.nbytes = 0
+
+    def __call__(self, *args, **kwargs):
+        self.passes += 1
+        self.attended = False
+        if self.passes == 1 and torch.is_grad_enabled():
+            self.stash.raise_outside_checkpoint("non-reentrant checkpointing (its first pass runs with grad), "
+                                                "transformers' default")
+        if self.passes > 2:
+            raise RuntimeError(f"{_FEATURE} needs one backward per forward of {self.stash.name}, got a second "
+                               f"backward through a retained graph (backward(retain_graph=True)): the first backward "
+                               f"took the kept attention output. Sum the losses into one backward, or remove the "
+                               f"stash for such steps.")
+        previous = _state.call
+        _state.call = self
+        try:
+            outputs = self.function(*args, **kwargs)
+        finally:
+            _state.call = previous
+        if not self.attended and self.stash.active:
+            implementation = self.stash.config._attn_implementation
+            raise RuntimeError(f'{_FEATURE} needs {self.stash.name} to call attention with attn_implementation="sdpa" '
+                               f'in each forward, got a forward without an sdpa call (attn_implementation '
+                               f'"{implementation}"). Remove the stash before switching the attention '
+                               f'implementation, and stash only layers with softmax attention.')
+        return outputs
+
+    def attention(self, *args, **kwargs):
+        """F.scaled_dot_product_attention for the layer's attention call, with the arguments it got: the first pass
+        runs the kernel F.sdpa would run and keeps its outputs, the recompute returns them from an autograd node whose
+        backward is that kernel's backward."""
+        if self.attended:
+            raise RuntimeError(f"{_FEATURE} needs one attention call per forward of {self.stash.name}, got a second "
+                               f"one. Remove the stash from layers that call attention more than once.")
+        self.attended = True
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa = _sdpa_arguments(*args, **kwargs)
         if attn_mask is not None:
-            raise RuntimeError(
-                f"{_FEATURE} needs attention without a mask in {self.stash.name}, got an attention "
-                f"mask, as padding (or packing with per-document masks) makes. Train on equal-length or "
-                f"concatenated sequences with attention_mask=None, or remove the stash.")
+            raise RuntimeError(f"{_FEATURE} needs attention without a mask in {self.stash.name}, got an attention "
+                               f"mask, as padding (or packing with per-document masks) makes. Train on equal-length "
+                               f"or concatenated sequences with attention_mask=None, or remove the stash.")
         if dropout_p != 0.0:
             raise RuntimeError(f"{_FEATURE} needs attention dropout 0 in {self.stash.name}, got {dropout_p}. Set the "
                                f"model config's attention_dropout to 0.0, or remove the stash.")
-        if torch.is_autocast_enabled(query.device.type):
+        device_type = query.device.type
+        if torch.is_autocast_enabled(device_type):
             # F.sdpa runs in autocast's lower precision; the aten ops below are not autocast-aware.
-            dtype = torch.get_autocast_dtype(query.device.type)
+            dtype = torch.get_autocast_dtype(device_type)
             query, key, value = (t.to(dtype) if t.dtype != torch.float64 else t for t in (query, key, value))
-        # The recompute checks the choice too: it is the backend the normal recompute would differentiate.
-        choice = torch._fused_sdp_choice(query, key, value, None, 0.0, is_causal, scale=scale, enable_gqa=enable_gqa)
-        ops = _ops_for(query.device.type, choice)
+        # The backend F.sdpa picks in a training forward, where the query requires grad with grad enabled. The first
+        # pass runs without grad, where PyTorch may pick another (cuDNN's and flash's limits differ for the backward).
+        with torch.enable_grad():
+            trained = query if query.requires_grad else query.detach().requires_grad_()
+            choice = torch._fused_sdp_choice(trained,
+                                             key,
+                                             value,
+                                             None,
+                                             0.0,
+                                             is_causal,
+                                             scale=scale,
+                                             enable_gqa=enable_gqa)
+        ops = _ops_for(device_type, choice)
         head_dim = query.shape[-1]
         multiple = getattr(ops, "head_dim_multiple", 1)
         padded = head_dim % multiple != 0
@@ -436,38 +351,202 @@ class _StashedSdpaCall(TorchFunctionMode):
             # As F.sdpa does: the scale from the unpadded head dimension, then zero padding, differentiably.
             scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
             query, key, value = (F.pad(t, (0, -t.shape[-1] % multiple)) for t in (query, key, value))
-        if self.recompute:
-            kept = self.stash.take(self.layer_input)
-            if kept.ops is not ops:
-                raise RuntimeError(f"{_FEATURE} needs one SDPA backend for both passes of {self.stash.name}, got "
-                                   f"{kept.ops.name} in the forward and {ops.name} in the recompute.")
-            out = _StashedAttention.apply(query, key, value, kept, is_causal, scale)
-        else:
+        if self.passes == 1:
             out, tensors, scalars = ops.forward(query, key, value, is_causal, scale)
-            self.stash.keep(self.layer_input, _Kept(ops, out, tensors, scalars))
+            self.kept = (ops, out, tensors, scalars)
+            self.stash.counters.add(self)
+        else:
+            kept = self.kept
+            if kept[0] is not ops:
+                raise RuntimeError(f"{_FEATURE} needs one SDPA backend for both passes of {self.stash.name}, got "
+                                   f"{kept[0].name} in the forward and {ops.name} in the recompute. Keep sdpa_kernel "
+                                   f"contexts and deterministic-algorithm settings the same for a forward and its "
+                                   f"backward.")
+            self.kept = None
+            self.stash.counters.served(self)
+            out = _StashedAttention.apply(query, key, value, kept, is_causal, scale)
         return out[..., :head_dim] if padded else out
 
+    def __del__(self):
+        # The checkpoint's graph was freed without the recompute: its forward had no backward.
+        if self.kept is not None:
+            self.kept = None
+            self.stash.counters.released(self)
 
-# Every submodule of a stashed decoder layer, attention modules among them, maps to that layer's stash.
-_STASHES = weakref.WeakKeyDictionary()
-# Hugging Face's "sdpa" entry that _stashing_sdpa replaced and calls, while it is installed.
-_original_sdpa = None
+
+class _Counters:
+    """What the stashes of one install keep and serve, for its handle."""
+
+    def __init__(self):
+        self.kept = self.kept_bytes = self.peak_kept_bytes = 0
+        self.recomputes_served = self.released_without_backward = 0
+
+    def add(self, call):
+        _, out, tensors, _ = call.kept
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in (out, *tensors)}
+        call.nbytes = sum(storages.values())
+        self.kept += 1
+        self.kept_bytes += call.nbytes
+        self.peak_kept_bytes = max(self.peak_kept_bytes, self.kept_bytes)
+
+    def served(self, call):
+        self.kept -= 1
+        self.kept_bytes -= call.nbytes
+        self.recomputes_served += 1
+
+    def released(self, call):
+        self.kept -= 1
+        self.kept_bytes -= call.nbytes
+        self.released_without_backward += 1
 
 
-def _stashing_sdpa(module, *args, **kwargs):
-    layer_input = kwargs.pop(_LAYER_INPUT_KWARG, _MISSING)
-    stash = _STASHES.get(module)
-    if stash is None or not module.training:
-        return _original_sdpa(module, *args, **kwargs)
-    recompute = stash.check_training_pass(layer_input)
-    if recompute is None:
-        return _original_sdpa(module, *args, **kwargs)
-    with _StashedSdpaCall(stash, layer_input, recompute):
-        return _original_sdpa(module, *args, **kwargs)
+class _LayerStash:
+    """The stash of one decoder layer: wraps each of its checkpointed calls in a ``_CheckpointCall``."""
+
+    def __init__(self, name, layer, config, counters):
+        self.name = name
+        self.layer = weakref.ref(layer)
+        self.config = config
+        self.counters = counters
+        self.active = True
+
+    def checkpoint(self, checkpoint_function, function, *args, **kwargs):
+        """The layer's checkpoint function, as the stash hands it to Hugging Face's checkpointed call."""
+        if not torch.is_grad_enabled():
+            # No graph, so no backward to serve: transformers <= 5.22 checkpoints no_grad forwards too.
+            return checkpoint_function(function, *args, **kwargs)
+        # Dynamo's frame callback is set inside a torch.compile region, also where a graph break runs code eagerly.
+        if torch._C._dynamo.eval_frame.get_eval_frame_callback() not in (None, False):
+            raise RuntimeError(f"{_FEATURE} needs eager execution for a training forward of {self.name}, got "
+                               f"torch.compile, whose graphs would break around the stash's state in every stashed "
+                               f"layer and whose gradients the stash cannot promise. Train the compiled model "
+                               f"without the stash (handle.remove()), or the stashed model without torch.compile.")
+        return checkpoint_function(_CheckpointCall(self, function), *args, **kwargs)
+
+    def raise_outside_checkpoint(self, cause=None):
+        if cause is None:
+            if torch._C._current_graph_task_id() != -1:
+                raise RuntimeError(f"{_FEATURE} needs a kept attention output for the recompute of {self.name}, got "
+                                   f"a recompute of a forward that ran before the install. Install the stash before "
+                                   f"the forward, not between a forward and its backward.")
+            cause = "no activation checkpointing on it (none enabled, or every_n_layers leaves it out)"
+        raise RuntimeError(f"{_FEATURE} needs Hugging Face reentrant activation checkpointing for a training forward "
+                           f"of {self.name}, got {cause}. Call {_REENTRANT_HINT}, or put the model in eval mode or "
+                           f"torch.no_grad() for forwards without a backward.")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# The installer.
+# The hold on each decoder layer's checkpoint function, and the wrapper of Hugging Face's "sdpa" attention function.
+# ---------------------------------------------------------------------------------------------------------------------
+
+# Every submodule of a stashed decoder layer, attention modules among them, maps to that layer's stash.
+_STASHES = weakref.WeakKeyDictionary()
+# Install and remove change process-wide entries; one at a time.
+_LOCK = threading.Lock()
+# Hugging Face's "sdpa" entry that _stashing_sdpa replaced and calls, and the stash's copy of it, while installed.
+_original_sdpa = _stashing_copy_of_sdpa = None
+# What GradientCheckpointingLayer's class dictionary held under _CHECKPOINT_FUNCTION before the slot went in.
+_MISSING = object()
+_replaced_class_attribute = _MISSING
+
+
+class _CheckpointFunctionSlot:
+    """``GradientCheckpointingLayer._gradient_checkpointing_func`` while a stash is installed.
+
+    Hugging Face stores each layer's checkpoint function on the layer and reads it at every checkpointed call. Stores
+    still land in the layer's ``__dict__``; reads on a stashed layer return the stored function wrapped by the stash,
+    whenever checkpointing was enabled, and reads on any other layer return it as stored.
+    """
+
+    def __get__(self, layer, owner=None):
+        if layer is None:
+            return self
+        try:
+            function = layer.__dict__[_CHECKPOINT_FUNCTION]
+        except KeyError:
+            raise AttributeError(_CHECKPOINT_FUNCTION) from None
+        stash = _STASHES.get(layer)
+        if stash is None or stash.layer() is not layer:
+            return function
+        return partial(stash.checkpoint, function)
+
+    def __set__(self, layer, function):
+        layer.__dict__[_CHECKPOINT_FUNCTION] = function
+
+    def __delete__(self, layer):
+        try:
+            del layer.__dict__[_CHECKPOINT_FUNCTION]
+        except KeyError:
+            raise AttributeError(_CHECKPOINT_FUNCTION) from None
+
+
+_SLOT = _CheckpointFunctionSlot()
+
+
+class _Globals(dict):
+    """Globals of the stash's copy of Hugging Face's sdpa function: its own entries, then the module's, live."""
+
+    def __init__(self, module_globals, entries):
+        super().__init__(entries, __builtins__=module_globals["__builtins__"])
+        self.module_globals = module_globals
+
+    def __missing__(self, name):
+        return self.module_globals[name]
+
+
+def _module_view(module, **entries):
+    """A module object with ``entries`` in front of ``module``'s attributes."""
+    view = types.ModuleType(module.__name__)
+    view.__dict__.update(entries, __getattr__=partial(getattr, module))
+    return view
+
+
+def _attention_of_current_call(*args, **kwargs):
+    return _state.call.attention(*args, **kwargs)
+
+
+def _stashing_copy(function):
+    """A copy of Hugging Face's sdpa function that runs its code unchanged, but for one name: where its code reaches
+    F.scaled_dot_product_attention through a module global (``torch``, ``torch.nn``, ``F`` or the function itself),
+    the copy reaches the current checkpoint call's ``attention``. Grouped heads, causality, masks, cropping and output
+    post-processing stay Hugging Face's, for any transformers version, at the cost of one Python call."""
+    functional = _module_view(F, scaled_dot_product_attention=_attention_of_current_call)
+    nn = _module_view(torch.nn, functional=functional)
+    views = {
+        id(torch): _module_view(torch, nn=nn),
+        id(torch.nn): nn,
+        id(F): functional,
+        id(_SDPA): _attention_of_current_call
+    }
+    code = getattr(function, "__code__", None)
+    module_globals = getattr(function, "__globals__", None)
+    entries = {} if code is None else {
+        name: views[id(module_globals[name])]
+        for name in code.co_names if id(module_globals.get(name)) in views
+    }
+    if not entries:
+        raise RuntimeError(f"{_FEATURE} needs Hugging Face's sdpa attention function, which calls "
+                           f"torch.nn.functional.scaled_dot_product_attention, as ALL_ATTENTION_FUNCTIONS[\"sdpa\"], "
+                           f"got {function!r}. Install the stash before replacing that entry.")
+    copy = types.FunctionType(code, _Globals(module_globals, entries), function.__name__, function.__defaults__,
+                              function.__closure__)
+    copy.__kwdefaults__ = function.__kwdefaults__
+    return copy
+
+
+def _stashing_sdpa(module, *args, **kwargs):
+    call = _state.call
+    if call is not None and call.stash.active:
+        return _stashing_copy_of_sdpa(module, *args, **kwargs)
+    if torch.is_grad_enabled() and module.training:
+        stash = _STASHES.get(module)
+        if stash is not None:
+            stash.raise_outside_checkpoint()
+    return _original_sdpa(module, *args, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The planner and the installer.
 # ---------------------------------------------------------------------------------------------------------------------
 
 
@@ -549,17 +628,18 @@ def _layer_bytes(model, micro_batch_size, sequence_length, dtype, device):
     device = torch.device(device)
     config = model.config
     key_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    sizes, choices = [], {}
+    sizes, backends = [], {}
     for name, layer in reversed(layers):
         heads, head_dim = _attention_geometry(name, layer)
-        if (heads, head_dim) not in choices:
-            # The backend PyTorch picks for these shapes on that device decides the layout of what is kept.
+        if (heads, head_dim) not in backends:
+            # The backend PyTorch picks for these shapes in training decides the layout of what is kept.
             query = torch.empty(1, heads, sequence_length, head_dim, device=device, dtype=dtype, requires_grad=True)
             key = torch.empty(1, key_heads, sequence_length, head_dim, device=device, dtype=dtype)
-            choice = torch._fused_sdp_choice(query, key, key, None, 0.0, True, enable_gqa=key_heads != heads)
-            choices[heads, head_dim] = _ops_for(device.type, choice)
-        ops = choices[heads, head_dim]
-        sizes.append((name, ops.kept_bytes(micro_batch_size, heads, sequence_length, head_dim, dtype)))
+            with torch.enable_grad():
+                choice = torch._fused_sdp_choice(query, key, key, None, 0.0, True, enable_gqa=key_heads != heads)
+            backends[heads, head_dim] = _ops_for(device.type, choice)
+        backend = backends[heads, head_dim]
+        sizes.append((name, backend.kept_bytes(micro_batch_size, heads, sequence_length, head_dim, dtype)))
     return sizes
 
 
@@ -608,12 +688,48 @@ def _fitting_layers(sizes, memory_budget, micro_batches_in_flight):
     return fitting
 
 
+def _class_defining(cls, name):
+    """The first class in ``cls``'s method resolution order whose dictionary has ``name``, or None."""
+    return next((klass for klass in cls.__mro__ if name in klass.__dict__), None)
+
+
+def _take_hold(layer_class, attention_functions):
+    """Put the checkpoint-function slot and the sdpa wrapper in place, once for all stashes. Under ``_LOCK``."""
+    global _original_sdpa, _stashing_copy_of_sdpa, _replaced_class_attribute
+    if _original_sdpa is None:
+        _stashing_copy_of_sdpa = _stashing_copy(attention_functions["sdpa"])
+        _replaced_class_attribute = layer_class.__dict__.get(_CHECKPOINT_FUNCTION, _MISSING)
+        setattr(layer_class, _CHECKPOINT_FUNCTION, _SLOT)
+        _original_sdpa = attention_functions["sdpa"]
+        attention_functions["sdpa"] = _stashing_sdpa
+
+
+def _let_go(layer_class, attention_functions):
+    """Undo ``_take_hold`` once no stash is left. Under ``_LOCK``."""
+    global _original_sdpa, _stashing_copy_of_sdpa, _replaced_class_attribute
+    if _STASHES or _original_sdpa is None:
+        return
+    if attention_functions["sdpa"] is _stashing_sdpa:
+        # The wrapper is a local entry of the shared interface; dropping it uncovers the library-wide one.
+        del attention_functions["sdpa"]
+        if attention_functions.get("sdpa") is not _original_sdpa:
+            attention_functions["sdpa"] = _original_sdpa
+    _original_sdpa = _stashing_copy_of_sdpa = None
+    if layer_class.__dict__.get(_CHECKPOINT_FUNCTION) is _SLOT:
+        if _replaced_class_attribute is _MISSING:
+            delattr(layer_class, _CHECKPOINT_FUNCTION)
+        else:
+            setattr(layer_class, _CHECKPOINT_FUNCTION, _replaced_class_attribute)
+    _replaced_class_attribute = _MISSING
+
+
 class AttentionStashHandle:
     """Returned by ``install_attention_stash``: names the stashed layers, counts what they keep, uninstalls them."""
 
-    def __init__(self, stashes, counters, attention_functions):
+    def __init__(self, stashes, counters, layer_class, attention_functions):
         self._stashes = stashes
         self._counters = counters
+        self._layer_class = layer_class
         self._attention_functions = attention_functions
 
     @property
@@ -647,22 +763,16 @@ class AttentionStashHandle:
         return self._counters.released_without_backward
 
     def remove(self):
-        """Uninstall: drop kept outputs and hooks; Hugging Face's sdpa entry returns when no stash is left."""
-        global _original_sdpa
-        removed = set(self._stashes)
-        for stash in self._stashes:
-            stash.remove()
-        for module in [module for module, stash in _STASHES.items() if stash in removed]:
-            del _STASHES[module]
-        self._stashes = []
-        if not _STASHES and _original_sdpa is not None:
-            functions = self._attention_functions
-            if functions["sdpa"] is _stashing_sdpa:
-                # The wrapper is a local entry of the shared interface; dropping it uncovers the library-wide one.
-                del functions["sdpa"]
-                if functions.get("sdpa") is not _original_sdpa:
-                    functions["sdpa"] = _original_sdpa
-            _original_sdpa = None
+        """Uninstall. A backward of a forward that ran before the removal recomputes its attention as stock code does;
+        outputs kept for it go with its graph. Hugging Face's sdpa entry returns when no stash is left."""
+        with _LOCK:
+            removed = set(self._stashes)
+            for stash in self._stashes:
+                stash.active = False
+            for module in [module for module, stash in _STASHES.items() if stash in removed]:
+                del _STASHES[module]
+            self._stashes = []
+            _let_go(self._layer_class, self._attention_functions)
 
 
 def install_attention_stash(model: torch.nn.Module,
@@ -675,12 +785,12 @@ def install_attention_stash(model: torch.nn.Module,
     """Keep the attention output of the last ``num_layers`` decoder layers for their reentrant checkpoint recompute.
 
     ``model`` is a Hugging Face model loaded with ``attn_implementation="sdpa"`` and trained with per-layer reentrant
-    checkpointing (``gradient_checkpointing_kwargs={"use_reentrant": True}``), with or without AutoEP. In the first
-    forward of each stashed layer, the attention kernel that ``F.scaled_dot_product_attention`` would run is called
-    directly, with the log-sum-exp, and its output is kept; the recompute returns the kept output from an autograd node
-    whose backward is the kernel's backward, so it skips the attention forward. Each kept output is one attention
-    output plus its log-sum-exp, held from the layer's forward to its recompute, and keyed by the layer's input so a
-    backward only uses its own forward's output.
+    checkpointing (``activation_checkpointing_kwargs={"use_reentrant": True}``), with or without AutoEP. The stash
+    takes hold of each stashed layer's checkpoint function, so it runs inside each checkpointed call of the layer. Its
+    first pass calls the aten kernel that ``F.scaled_dot_product_attention`` would run and keeps its outputs (one
+    attention output plus its log-sum-exp); the recompute returns them from an autograd node whose backward is that
+    kernel's backward, so it skips the attention forward. What a call keeps lives with its checkpoint's graph: it is
+    released when the recompute takes it, or when the graph is freed without a backward.
 
     Instead of ``num_layers``, pass ``memory_budget`` in bytes with ``micro_batch_size`` and ``sequence_length`` (and
     ``micro_batches_in_flight`` where a schedule keeps several): the stash then takes the most layers whose kept
@@ -689,11 +799,11 @@ def install_attention_stash(model: torch.nn.Module,
 
     Forwards without a backward (``torch.no_grad()``, eval mode, generation) run stock sdpa and keep nothing. What the
     stash cannot serve raises instead of falling back: an attention mask or dropout, a training forward outside a
-    reentrant checkpoint, an SDPA backend without an exact replay, a second install on a layer.
+    reentrant checkpoint or under ``torch.compile``, an SDPA backend without an exact replay, a second install on a
+    layer, a second backward through a retained graph.
 
     Returns an ``AttentionStashHandle``; its ``remove()`` uninstalls the stash.
     """
-    global _original_sdpa
     layer_class, attention_functions = _entry_points()
     if (num_layers is None) == (memory_budget is None):
         raise TypeError(f"{_FEATURE} needs exactly one of num_layers and memory_budget, got "
@@ -727,20 +837,24 @@ def install_attention_stash(model: torch.nn.Module,
                          f"{num_layers}.")
     chosen = layers[-num_layers:]
     for name, layer in chosen:
-        if layer in _STASHES:
-            raise RuntimeError(f"{_FEATURE} needs one install per decoder layer, got a second one on {name}. Call "
-                               f"remove() on the first handle before installing again.")
+        if _class_defining(type(layer), _CHECKPOINT_FUNCTION) not in (None, layer_class):
+            raise RuntimeError(f"{_FEATURE} needs {name} to keep its checkpoint function per instance, as "
+                               f"GradientCheckpointingLayer does, got a class attribute {_CHECKPOINT_FUNCTION} on "
+                               f"{type(layer).__name__}. Remove that attribute from the class.")
 
     counters = _Counters()
-    stashes = []
-    for name, layer in chosen:
-        stash = _LayerStash(name, layer, config, counters)
-        for module in layer.modules():
-            _STASHES[module] = stash
-        stashes.append(stash)
-    if _original_sdpa is None:
-        _original_sdpa = attention_functions["sdpa"]
-        attention_functions["sdpa"] = _stashing_sdpa
+    with _LOCK:
+        for name, layer in chosen:
+            if layer in _STASHES:
+                raise RuntimeError(f"{_FEATURE} needs one install per decoder layer, got a second one on {name}. Call "
+                                   f"remove() on the first handle before installing again.")
+        stashes = []
+        for name, layer in chosen:
+            stash = _LayerStash(name, layer, config, counters)
+            for module in layer.modules():
+                _STASHES[module] = stash
+            stashes.append(stash)
+        _take_hold(layer_class, attention_functions)
     if layer_bytes is None:
         heads, head_dim = _attention_geometry(*chosen[-1])
         dtype = _model_dtype(model)
@@ -751,4 +865,4 @@ def install_attention_stash(model: torch.nn.Module,
                 f"micro-batch {micro_batch_size}, sequence {sequence_length})")
     logger.info(f"{_FEATURE}: keeping the attention output of {num_layers} of {len(layers)} decoder layers "
                 f"({chosen[0][0]} to {chosen[-1][0]}) for their recompute: {cost}.")
-    return AttentionStashHandle(stashes, counters, attention_functions)
+    return AttentionStashHandle(stashes, counters, layer_class, attention_functions)

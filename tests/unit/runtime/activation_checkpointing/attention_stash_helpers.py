@@ -3,6 +3,7 @@
 # DeepSpeed Team
 """Tiny Hugging Face MoE models and helpers shared by the attention stash tests and their two-rank script."""
 
+import gc
 from collections import Counter
 
 import torch
@@ -104,3 +105,16 @@ class CountOps(TorchDispatchMode):
         if func.__name__ == CPU_FORWARD:
             self.key_heads.add(args[1].shape[1])
         return func(*args, **(kwargs or {}))
+
+
+def live_checkpoint_calls():
+    """The stash's per-call objects alive now: each holds what its first pass kept, until its recompute takes it."""
+    from deepspeed.runtime.activation_checkpointing.attention_stash import _CheckpointCall
+
+    gc.collect()
+    return [obj for obj in gc.get_objects() if isinstance(obj, _CheckpointCall)]
+
+
+def kept_outputs():
+    """The attention outputs kept now, across all stashes."""
+    return [call.kept[1] for call in live_checkpoint_calls() if call.kept is not None]

@@ -15,14 +15,15 @@ import pytest
 import torch
 import transformers
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from deepspeed.runtime.activation_checkpointing import attention_stash
 from deepspeed.runtime.activation_checkpointing.attention_stash import install_attention_stash
 
 from attention_stash_helpers import (CPU_BACKWARD, CPU_FORWARD, MODELS, NUM_LAYERS, CountOps, assert_same_grads,
-                                     batch_ids, checkpointed, mixtral_model, param_grads, qwen3_moe_model,
-                                     stashed_train_step, train_step)
+                                     batch_ids, checkpointed, kept_outputs, mixtral_model, param_grads,
+                                     qwen3_moe_model, stashed_train_step, train_step)
 
 
 @pytest.fixture
@@ -39,6 +40,7 @@ def install():
     for handle in handles:
         handle.remove()
     assert not attention_stash._STASHES and attention_stash._original_sdpa is None
+    assert "_gradient_checkpointing_func" not in GradientCheckpointingLayer.__dict__
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -235,7 +237,8 @@ def test_recompute_releases_each_output_during_the_backward(install):
     model = checkpointed(mixtral_model())
     handle = install(model, NUM_LAYERS)
     loss = model(input_ids=batch_ids(), labels=batch_ids()).loss
-    outputs = [weakref.ref(kept.out) for stash in handle._stashes for kept in stash.kept.values()]
+    outputs = [weakref.ref(out) for out in kept_outputs()]
+    assert len(outputs) == NUM_LAYERS
     seen = []
 
     def first_layer_recompute(module, args):
@@ -290,8 +293,9 @@ def test_head_dim_padding_for_kernels_that_need_it(install, monkeypatch):
     handle = install(model, NUM_LAYERS)
     model.zero_grad(set_to_none=True)
     loss = model(input_ids=ids, labels=ids).loss
-    assert {kept.out.shape[-1] for stash in handle._stashes for kept in stash.kept.values()} == {16}
+    assert {out.shape[-1] for out in kept_outputs()} == {16}
     loss.backward()
+    assert handle.recomputes_served == NUM_LAYERS
     assert torch.allclose(loss.detach(), expected_loss, rtol=1e-5, atol=0)
     grads = param_grads(model)
     assert grads.keys() == expected.keys()
@@ -315,7 +319,9 @@ def test_rejects_attention_implementation_switched_after_install(install):
     model = checkpointed(mixtral_model())
     install(model, 1)
     model.config._attn_implementation = "eager"
-    with pytest.raises(RuntimeError, match='needs attn_implementation="sdpa" for model.layers.2, got "eager"'):
+    with pytest.raises(RuntimeError,
+                       match='needs model.layers.2 to call attention with attn_implementation="sdpa" in each forward, '
+                       'got a forward without an sdpa call \\(attn_implementation "eager"\\)'):
         model(input_ids=batch_ids(), labels=batch_ids())
 
 
@@ -334,16 +340,19 @@ def test_rejects_training_outside_a_reentrant_checkpoint(install, checkpointing)
         model(input_ids=batch_ids(), labels=batch_ids())
 
 
-def test_rejects_activation_offload(install):
+def test_serves_activation_offload(install):
     """Saved-tensor hooks around the checkpoint, as transformers' activation_checkpointing_enable(offload=True) sets
-    with pinned memory (which needs an accelerator), here with save_on_cpu's unpinned copies."""
+    with pinned memory (which needs an accelerator), here with save_on_cpu's unpinned copies: the recompute runs on
+    the unpacked copy of the layer input, and its checkpoint call still finds what its first pass kept."""
     model = checkpointed(mixtral_model())
-    install(model, 1)
-    with torch.autograd.graph.save_on_cpu(), pytest.raises(
-            RuntimeError,
-            match="needs the reentrant checkpoint of model.layers.2 to save its input as it is, got "
-            "saved-tensor hooks"):
-        model(input_ids=batch_ids(), labels=batch_ids())
+    ids = batch_ids()
+    with torch.autograd.graph.save_on_cpu():
+        expected_loss, expected = train_step(model, ids)
+        handle = install(model, NUM_LAYERS)
+        loss, grads = stashed_train_step(model, handle, ids)
+    assert handle.recomputes_served == NUM_LAYERS
+    assert torch.equal(loss, expected_loss)
+    assert_same_grads(grads, expected)
 
 
 def test_rejects_attention_mask(install):
@@ -393,22 +402,37 @@ def test_rejects_recompute_without_kept_output(install):
         loss.backward()
 
 
-def test_rejects_same_input_twice_before_backward(install):
+def test_same_input_tensor_in_two_forwards_before_their_backwards(install):
+    """A caller's leaf (a soft prompt, inputs_embeds) passed to two forwards: each backward takes its own output."""
+
+    def schedule(model, embeds):
+        model.zero_grad(set_to_none=True)
+        first = model(inputs_embeds=embeds, labels=batch_ids(seed=1)).loss
+        second = model(inputs_embeds=embeds, labels=batch_ids(seed=2)).loss
+        second.backward()
+        first.backward()
+        return first.detach(), second.detach(), param_grads(model), embeds.grad.clone()
+
     model = checkpointed(mixtral_model())
-    install(model, NUM_LAYERS)
     embeds = model.model.embed_tokens(batch_ids()).detach().requires_grad_()
-    model(inputs_embeds=embeds)
-    with pytest.raises(RuntimeError, match="needs a distinct input for each forward of model.layers.0"):
-        model(inputs_embeds=embeds)
+    expected = schedule(model, embeds)
+    embeds.grad = None
+    handle = install(model, NUM_LAYERS)
+    got = schedule(model, embeds)
+    assert handle.recomputes_served == 2 * NUM_LAYERS and handle.num_kept == 0
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    assert_same_grads(got[2], expected[2])
+    assert torch.equal(got[3], expected[3])
 
 
-def test_rejects_attention_call_without_the_layer_keyword_arguments(install):
+def test_rejects_two_attention_calls_in_one_forward(install):
     model = checkpointed(mixtral_model())
     install(model, 1)
     attention = model.model.layers[2].self_attn
-    query = torch.randn(2, 4, 32, 16)
-    with pytest.raises(RuntimeError, match="needs model.layers.2 to pass its keyword arguments on to the attention"):
-        ALL_ATTENTION_FUNCTIONS["sdpa"](attention, query, query, query, None)
+    forward = attention.forward
+    attention.forward = lambda *args, **kwargs: (forward(*args, **kwargs), forward(*args, **kwargs))[1]
+    with pytest.raises(RuntimeError, match="needs one attention call per forward of model.layers.2, got a second"):
+        model(input_ids=batch_ids(), labels=batch_ids())
 
 
 def test_rejects_second_install(install):
@@ -434,7 +458,7 @@ def test_rejects_out_of_range_num_layers(num_layers):
 
 
 @pytest.mark.parametrize("missing", [
-    "_fused_sdp_choice", "_C._current_graph_task_id", "_C._autograd._top_saved_tensors_default_hooks", "aten_op",
+    "_fused_sdp_choice", "_C._current_graph_task_id", "_C._dynamo.eval_frame.get_eval_frame_callback", "aten_op",
     "checkpointing_layer", "attention_functions"
 ])
 def test_rejects_missing_entry_points(monkeypatch, missing):

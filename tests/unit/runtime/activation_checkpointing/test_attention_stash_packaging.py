@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""The add-on ships one module into the stock DeepSpeed package and nothing that would replace DeepSpeed's own files."""
+"""The add-on ships one module into the stock DeepSpeed package and nothing that would replace DeepSpeed's files."""
 
 import os
 from importlib import metadata

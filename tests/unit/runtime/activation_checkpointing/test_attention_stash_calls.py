@@ -1,0 +1,364 @@
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""How the stash knows a checkpoint's passes, and how long what it keeps lives.
+
+The stash runs inside each stashed layer's checkpoint call: the first call of that function is the first forward, the
+second its recompute, and what the first keeps lives as long as the checkpoint's graph. These tests drive the programs
+that break a stash that infers the pass from grad mode, or ties its outputs to the lifetime of a tensor: dropped
+forwards on a tensor the caller keeps, forwards without grad in train mode, copies of the model, threads, a retained
+graph, torch.compile, a checkpoint around the whole model. CI runs them on both checkpoint layouts of transformers.
+"""
+
+import copy
+import gc
+import threading
+import time
+
+import pytest
+import torch
+import transformers
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from deepspeed.runtime.activation_checkpointing import attention_stash
+from deepspeed.runtime.activation_checkpointing.attention_stash import install_attention_stash
+
+from attention_stash_helpers import (CPU_FORWARD, NUM_LAYERS, CountOps, assert_same_grads, batch_ids, checkpointed,
+                                     live_checkpoint_calls, mixtral_model, param_grads, qwen3_moe_model,
+                                     stashed_train_step, train_step)
+
+STOCK_SDPA = ALL_ATTENTION_FUNCTIONS["sdpa"]
+
+
+def _assert_stock_process():
+    """Nothing of the stash is left in the process: the sdpa entry and the layer class are transformers' own."""
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is STOCK_SDPA
+    assert "_gradient_checkpointing_func" not in GradientCheckpointingLayer.__dict__
+    assert not attention_stash._STASHES and attention_stash._original_sdpa is None
+
+
+@pytest.fixture
+def install():
+    handles = []
+
+    def _install(model, num_layers):
+        handle = install_attention_stash(model, num_layers)
+        handles.append(handle)
+        return handle
+
+    yield _install
+    for handle in handles:
+        handle.remove()
+    _assert_stock_process()
+
+
+def _counts(handle):
+    return handle.num_kept, handle.kept_bytes, handle.recomputes_served, handle.released_without_backward
+
+
+def test_dropped_forwards_on_a_tensor_the_caller_keeps(install):
+    """A soft prompt the caller keeps (and updates in place) as inputs_embeds: a forward whose loss is dropped, as a
+    NaN check or an exception after the forward does, releases its outputs with its graph, and nothing piles up."""
+    model = checkpointed(qwen3_moe_model())
+    prompt = model.model.embed_tokens(batch_ids()).detach().requires_grad_()
+    labels = batch_ids()
+    expected_loss = model(inputs_embeds=prompt, labels=labels).loss
+    expected_loss.backward()
+    expected = (expected_loss.detach(), param_grads(model), prompt.grad.clone())
+
+    handle = install(model, NUM_LAYERS)
+    for dropped in range(1, 4):
+        loss = model(inputs_embeds=prompt, labels=labels).loss
+        assert handle.num_kept == NUM_LAYERS
+        del loss
+        assert _counts(handle)[:2] == (0, 0)
+        assert handle.released_without_backward == dropped * NUM_LAYERS
+        with torch.no_grad():
+            prompt.add_(0.0)  # an in-place update: a new version of the same tensor
+    assert not live_checkpoint_calls()
+
+    model.zero_grad(set_to_none=True)
+    prompt.grad = None
+    loss = model(inputs_embeds=prompt, labels=labels).loss
+    loss.backward()
+    assert handle.recomputes_served == NUM_LAYERS and handle.num_kept == 0
+    assert torch.equal(loss.detach(), expected[0])
+    assert_same_grads(param_grads(model), expected[1])
+    assert torch.equal(prompt.grad, expected[2])
+
+
+def test_forward_that_raises_after_the_layers_keeps_nothing(install):
+    model = checkpointed(mixtral_model())
+    handle = install(model, NUM_LAYERS)
+
+    def fail(module, args, output):
+        raise ValueError("after the decoder layers")
+
+    hook = model.model.norm.register_forward_hook(fail)
+    with pytest.raises(ValueError, match="after the decoder layers"):
+        model(input_ids=batch_ids(), labels=batch_ids())
+    hook.remove()
+    gc.collect()  # the traceback held the graph
+    assert _counts(handle) == (0, 0, 0, NUM_LAYERS)
+    assert not live_checkpoint_calls()
+
+
+def test_no_grad_forwards_in_train_mode_keep_nothing(install):
+    """Validation without model.eval() and generate() in train mode. Reentrant checkpointing switches on Hugging Face's
+    enable_input_require_grads, so the layer inputs require grad even here; on transformers <= 5.22 such forwards run
+    through the checkpoint too. A padded batch (which the stash refuses in training) runs as stock sdpa."""
+    model = checkpointed(mixtral_model())
+    ids = batch_ids()
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    with torch.no_grad():
+        expected_logits = model(input_ids=ids, attention_mask=mask).logits
+    expected_tokens = model.generate(ids[:, :8], max_new_tokens=4, do_sample=False)
+    handle = install(model, NUM_LAYERS)
+    seen = []
+    model.model.layers[0].register_forward_hook(lambda module, args, output: seen.append(args[0].requires_grad))
+
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask).logits
+    assert seen == [True]  # the input that made the old stash take this for a checkpoint's first pass
+    assert torch.equal(logits, expected_logits)
+    assert torch.equal(model.generate(ids[:, :8], max_new_tokens=4, do_sample=False), expected_tokens)
+    assert _counts(handle) == (0, 0, 0, 0)
+    assert not live_checkpoint_calls()
+
+
+def test_a_copy_of_a_stashed_model_is_a_stock_model(install):
+    """copy.deepcopy takes the model, not its stash: the copy trains, switches attention implementation and trains
+    without checkpointing like any model, and the original's handle counts nothing of it."""
+    model = checkpointed(mixtral_model())
+    ids = batch_ids()
+    expected_loss, expected = train_step(model, ids)
+    handle = install(model, NUM_LAYERS)
+    twin = copy.deepcopy(model)
+
+    loss, grads = train_step(twin, ids)
+    assert torch.equal(loss, expected_loss)
+    assert_same_grads(grads, expected)
+    assert _counts(handle) == (0, 0, 0, 0)
+
+    twin.set_attn_implementation("eager")
+    train_step(twin, ids)
+    getattr(twin, "activation_checkpointing_disable", twin.gradient_checkpointing_disable)()
+    twin.set_attn_implementation("sdpa")
+    train_step(twin, ids)
+    assert _counts(handle) == (0, 0, 0, 0)
+
+    # The original is still stashed.
+    loss, grads = stashed_train_step(model, handle, ids)
+    assert handle.recomputes_served == NUM_LAYERS
+    assert torch.equal(loss, expected_loss)
+    assert_same_grads(grads, expected)
+
+
+def test_install_and_remove_from_many_threads(monkeypatch):
+    """Installs and removes racing on one process-wide sdpa entry and layer class: every thread trains its own model
+    with its own stash, exactly, and transformers' own entry and class come back at the end. A pause inside the
+    first install's hold widens the window in which an unguarded second install would save the wrapper as stock."""
+    copy_of_sdpa = attention_stash._stashing_copy
+
+    def slow_copy(function):
+        time.sleep(0.05)
+        return copy_of_sdpa(function)
+
+    monkeypatch.setattr(attention_stash, "_stashing_copy", slow_copy)
+    threads, rounds = 6, 3
+    ids = batch_ids()
+    expected_loss, expected = train_step(checkpointed(mixtral_model()), ids)
+    models = [checkpointed(mixtral_model()) for _ in range(threads)]
+    start = threading.Barrier(threads)
+    errors, served = [], []
+
+    def work(model):
+        try:
+            for _ in range(rounds):
+                start.wait()
+                handle = install_attention_stash(model, NUM_LAYERS)
+                start.wait()
+                loss, grads = stashed_train_step(model, handle, ids)
+                assert torch.equal(loss, expected_loss)
+                assert_same_grads(grads, expected)
+                served.append(handle.recomputes_served)
+                start.wait()
+                handle.remove()
+        except BaseException as error:  # reported below, from the main thread
+            start.abort()
+            errors.append(error)
+
+    workers = [threading.Thread(target=work, args=(model, )) for model in models]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    assert not errors, errors
+    assert served == [NUM_LAYERS] * (threads * rounds)
+    _assert_stock_process()
+    loss, grads = train_step(models[0], ids)  # stock training afterwards
+    assert torch.equal(loss, expected_loss)
+
+
+def test_second_backward_through_a_retained_graph_names_it(install):
+    model = checkpointed(mixtral_model())
+    handle = install(model, NUM_LAYERS)
+    loss = model(input_ids=batch_ids(), labels=batch_ids()).loss
+    loss.backward(retain_graph=True)
+    assert handle.recomputes_served == NUM_LAYERS
+    with pytest.raises(RuntimeError,
+                       match=r"needs one backward per forward of model.layers.2, got a second backward through a "
+                       r"retained graph \(backward\(retain_graph=True\)\)"):
+        loss.backward()
+
+
+@pytest.mark.parametrize("order", ["install_then_compile", "compile_then_install"])
+def test_rejects_torch_compile(install, order):
+    """Compiled code runs the layers in pieces around the stash's state; the stash names torch.compile instead, also
+    for a model compiled (and run) before the install."""
+    model = checkpointed(qwen3_moe_model())
+    ids = batch_ids()
+    if order == "install_then_compile":
+        install(model, NUM_LAYERS)
+        compiled = torch.compile(model)
+    else:
+        compiled = torch.compile(model)
+        compiled(input_ids=ids)
+        install(model, NUM_LAYERS)
+    with pytest.raises(RuntimeError,
+                       match="needs eager execution for a training forward of model.layers.0, got "
+                       "torch.compile"):
+        compiled(input_ids=ids, labels=ids)
+    torch._dynamo.reset()
+
+
+def test_reentrant_checkpoint_around_the_whole_model(install):
+    """The outer checkpoint's first pass runs the layers without grad (no backward to serve, nothing kept); its
+    recompute runs them with grad, through their own checkpoints, whose recomputes the stash serves."""
+
+    def step(model, ids):
+        model.zero_grad(set_to_none=True)
+        embeds = model.model.embed_tokens(ids).detach().requires_grad_()
+        loss = torch.utils.checkpoint.checkpoint(lambda x: model(inputs_embeds=x, labels=ids).loss,
+                                                 embeds,
+                                                 use_reentrant=True)
+        loss.backward()
+        return loss.detach(), param_grads(model)
+
+    model = checkpointed(mixtral_model())
+    ids = batch_ids()
+    expected_loss, expected = step(model, ids)
+    handle = install(model, NUM_LAYERS)
+    with CountOps() as counted:
+        loss, grads = step(model, ids)
+    assert _counts(handle) == (0, 0, NUM_LAYERS, 0)
+    # First pass without grad (stock), then in the outer recompute each layer's first pass; no recompute kernel.
+    assert counted.calls[CPU_FORWARD] == 2 * NUM_LAYERS
+    assert torch.equal(loss, expected_loss)
+    assert_same_grads(grads, expected)
+    assert not live_checkpoint_calls()
+
+
+def test_checkpointing_enabled_again_and_every_n_layers(install):
+    model = checkpointed(mixtral_model())
+    ids = batch_ids()
+    expected_loss, expected = train_step(model, ids)
+    handle = install(model, NUM_LAYERS)
+    disable = getattr(model, "activation_checkpointing_disable", model.gradient_checkpointing_disable)
+    disable()
+    checkpointed(model)
+    loss, grads = stashed_train_step(model, handle, ids)
+    assert torch.equal(loss, expected_loss)
+    assert_same_grads(grads, expected)
+
+    # Every second layer checkpointed: layers 0 and 2. Layer 1 is stashed but not checkpointed.
+    disable()
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": True}, every_n_layers=2)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True}, every_n_layers=2)
+    with pytest.raises(RuntimeError,
+                       match="needs Hugging Face reentrant activation checkpointing for a training forward of "
+                       "model.layers.1, got no activation checkpointing on it"):
+        model(input_ids=ids, labels=ids)
+    handle.remove()
+    handle = install(model, 1)
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert _counts(handle) == (0, 0, 1, 0)
+
+
+def test_remove_between_forward_and_backward(install):
+    """The forward's checkpoint calls outlive the removal; their recomputes run stock attention."""
+    model = checkpointed(mixtral_model())
+    ids = batch_ids()
+    expected_loss, expected = train_step(model, ids)
+    handle = install(model, NUM_LAYERS)
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=ids).loss
+    handle.remove()
+    _assert_stock_process()
+    with CountOps() as counted:
+        loss.backward()
+    assert counted.calls[CPU_FORWARD] == NUM_LAYERS
+    assert handle.recomputes_served == 0
+    assert_same_grads(param_grads(model), expected)
+    del loss
+    assert not live_checkpoint_calls()
+
+
+def test_rejects_a_layer_class_that_shadows_the_checkpoint_function(monkeypatch):
+    model = checkpointed(mixtral_model())
+    layer_class = type(model.model.layers[0])
+    monkeypatch.setattr(layer_class, "_gradient_checkpointing_func", None, raising=False)
+    with pytest.raises(RuntimeError,
+                       match="needs model.layers.2 to keep its checkpoint function per instance, as "
+                       f"GradientCheckpointingLayer does, got a class attribute _gradient_checkpointing_func on "
+                       f"{layer_class.__name__}"):
+        install_attention_stash(model, 1)
+    _assert_stock_process()
+
+
+def test_soak_dropped_forwards_validation_and_generation(install):
+    """50 steps: a dropped forward every fifth, a no_grad validation pass every third, generation every tenth. After
+    every step nothing is kept; every tenth step, the process holds no more tensors than after the first."""
+    model = checkpointed(qwen3_moe_model())
+    handle = install(model, NUM_LAYERS)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    baseline = None
+    for step in range(50):
+        ids = batch_ids(seed=step)
+        loss = model(input_ids=ids, labels=ids).loss
+        if step % 5 == 4:
+            del loss
+        else:
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            del loss
+        if step % 3 == 0:
+            with torch.no_grad():
+                model(input_ids=ids, labels=ids)
+        if step % 10 == 9:
+            model.generate(ids[:, :4], max_new_tokens=2, do_sample=False)
+        assert (handle.num_kept, handle.kept_bytes) == (0, 0), step
+        if step % 10 == 0 or step == 49:
+            gc.collect()
+            tensors = sum(1 for obj in gc.get_objects() if isinstance(obj, torch.Tensor))
+            baseline = tensors if baseline is None else baseline
+            assert tensors <= baseline, (step, tensors, baseline)
+    assert handle.recomputes_served == 40 * NUM_LAYERS
+    assert handle.released_without_backward == 10 * NUM_LAYERS
+    assert not live_checkpoint_calls()
+
+
+def test_transformers_layout_under_test():
+    """Names the checkpoint layout this run covers; CI runs the suite on both."""
+    major, minor = (int(part) for part in transformers.__version__.split(".")[:2])
+    checkpoints_forward = (major, minor) >= (5, 23)
+    assert hasattr(GradientCheckpointingLayer, "__call__")
+    assert ("__call__" in GradientCheckpointingLayer.__dict__) != checkpoints_forward
