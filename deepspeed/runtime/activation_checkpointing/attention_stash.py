@@ -20,7 +20,8 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.autograd.function import once_differentiable
 
 from deepspeed.utils import logger
@@ -45,6 +46,15 @@ _REENTRANT_HINT = ('model.activation_checkpointing_enable(activation_checkpointi
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+def _float_mask(mask, dtype):
+    """A boolean mask as the additive mask F.sdpa makes of it (0 where attended, -inf elsewhere, in the query's
+    dtype); any other mask as it is."""
+    if mask is None or mask.dtype != torch.bool:
+        return mask
+    return torch.where(mask, torch.zeros((), dtype=dtype, device=mask.device),
+                       torch.full((), -math.inf, dtype=dtype, device=mask.device))
+
+
 class _CpuFlashOps:
     """``F.scaled_dot_product_attention``'s fused CPU kernel; it takes grouped key/value heads as they are."""
 
@@ -58,12 +68,22 @@ class _CpuFlashOps:
         return batch * heads * sequence * (head_dim * dtype.itemsize + lse_bytes)
 
     @staticmethod
-    def forward(query, key, value, is_causal, scale):
-        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, is_causal, scale=scale)
+    def prepare_mask(mask, query, key, value):
+        return _float_mask(mask, query.dtype)
+
+    @staticmethod
+    def forward(query, key, value, mask, is_causal, scale):
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(query,
+                                                                    key,
+                                                                    value,
+                                                                    0.0,
+                                                                    is_causal,
+                                                                    attn_mask=mask,
+                                                                    scale=scale)
         return out, (lse, ), ()
 
     @staticmethod
-    def backward(grad_out, query, key, value, out, tensors, scalars, is_causal, scale, needs_grad):
+    def backward(grad_out, query, key, value, mask, out, tensors, scalars, is_causal, scale, needs_grad):
         lse, = tensors
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(grad_out,
                                                                          query,
@@ -73,6 +93,7 @@ class _CpuFlashOps:
                                                                          lse,
                                                                          0.0,
                                                                          is_causal,
+                                                                         attn_mask=mask,
                                                                          scale=scale)
 
 
@@ -88,18 +109,22 @@ class _CudnnOps:
         return batch * heads * sequence * (head_dim * dtype.itemsize + 4)
 
     @staticmethod
-    def forward(query, key, value, is_causal, scale):
+    def prepare_mask(mask, query, key, value):
+        # The kernel expands the bias itself.
+        return _float_mask(mask, query.dtype)
+
+    @staticmethod
+    def forward(query, key, value, mask, is_causal, scale):
         # compute_log_sumexp=True: under the checkpoint's no_grad first forward F.sdpa would skip the log-sum-exp.
         out, lse, cum_seq_q, cum_seq_k, max_q, max_k, philox_seed, philox_offset, _ = (
-            aten._scaled_dot_product_cudnn_attention(query, key, value, None, True, 0.0, is_causal, False,
+            aten._scaled_dot_product_cudnn_attention(query, key, value, mask, True, 0.0, is_causal, False,
                                                      scale=scale))
         return out, (lse, philox_seed, philox_offset, cum_seq_q, cum_seq_k), (max_q, max_k)
 
     @staticmethod
-    def backward(grad_out, query, key, value, out, tensors, scalars, is_causal, scale, needs_grad):
+    def backward(grad_out, query, key, value, mask, out, tensors, scalars, is_causal, scale, needs_grad):
         lse, philox_seed, philox_offset, cum_seq_q, cum_seq_k = tensors
         max_q, max_k = scalars
-        # attn_bias None: the forward had no mask.
         return aten._scaled_dot_product_cudnn_attention_backward(grad_out,
                                                                  query,
                                                                  key,
@@ -108,7 +133,7 @@ class _CudnnOps:
                                                                  lse,
                                                                  philox_seed,
                                                                  philox_offset,
-                                                                 None,
+                                                                 mask,
                                                                  cum_seq_q,
                                                                  cum_seq_k,
                                                                  max_q,
@@ -132,13 +157,19 @@ class _FlashOps:
         return batch * heads * sequence * ((head_dim + -head_dim % 8) * dtype.itemsize + 4)
 
     @staticmethod
-    def forward(query, key, value, is_causal, scale):
+    def prepare_mask(mask, query, key, value):
+        # PyTorch never picks this kernel for a masked call: it has no mask argument.
+        assert mask is None
+        return None
+
+    @staticmethod
+    def forward(query, key, value, mask, is_causal, scale):
         out, lse, cum_seq_q, cum_seq_k, max_q, max_k, rng_state, unused, _ = (aten._scaled_dot_product_flash_attention(
             query, key, value, 0.0, is_causal, False, scale=scale))
         return out, (lse, cum_seq_q, cum_seq_k, rng_state, unused), (max_q, max_k)
 
     @staticmethod
-    def backward(grad_out, query, key, value, out, tensors, scalars, is_causal, scale, needs_grad):
+    def backward(grad_out, query, key, value, mask, out, tensors, scalars, is_causal, scale, needs_grad):
         lse, cum_seq_q, cum_seq_k, rng_state, unused = tensors
         max_q, max_k = scalars
         # The derivative passes rng_state and unused as the philox seed and offset.
@@ -171,12 +202,25 @@ class _EfficientOps:
         return batch * heads * (sequence * head_dim * dtype.itemsize + (sequence + -sequence % 32) * 4)
 
     @staticmethod
-    def forward(query, key, value, is_causal, scale):
+    def prepare_mask(mask, query, key, value):
+        # As F.sdpa's preprocess_mask: a bias whose strides the kernel cannot load is padded in its last dimension and
+        # sliced back (the same values, aligned rows), then expanded to [batch, query heads, queries, keys]. PyTorch
+        # 2.13 aligns to 8 and older releases to 16; 16 satisfies both.
+        bias = _float_mask(mask, query.dtype)
+        if bias is None:
+            return None
+        if bias.stride(-1) != 1 or any(stride % 16 for stride in bias.stride()[:-1]):
+            size = bias.shape[-1]
+            bias = F.pad(bias, (0, 16 - size % 16))[..., :size]
+        return bias.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
+
+    @staticmethod
+    def forward(query, key, value, mask, is_causal, scale):
         # compute_log_sumexp=True, as in F.sdpa when grads are required; the log-sum-exp is padded to 32 rows.
         out, lse, philox_seed, philox_offset = aten._scaled_dot_product_efficient_attention(query,
                                                                                             key,
                                                                                             value,
-                                                                                            None,
+                                                                                            mask,
                                                                                             True,
                                                                                             0.0,
                                                                                             is_causal,
@@ -184,15 +228,15 @@ class _EfficientOps:
         return out, (lse, philox_seed, philox_offset), ()
 
     @staticmethod
-    def backward(grad_out, query, key, value, out, tensors, scalars, is_causal, scale, needs_grad):
+    def backward(grad_out, query, key, value, mask, out, tensors, scalars, is_causal, scale, needs_grad):
         lse, philox_seed, philox_offset = tensors
-        # grad_input_mask: which of query, key, value and the (absent) bias need a gradient.
+        # grad_input_mask: which of query, key, value and the bias need a gradient; a mask never does here.
         grad_query, grad_key, grad_value, _ = aten._scaled_dot_product_efficient_attention_backward(
             grad_out,
             query,
             key,
             value,
-            None,
+            mask,
             out,
             lse,
             philox_seed,
@@ -227,6 +271,43 @@ def _ops_for(device_type, choice):
     return ops
 
 
+# What the table's mask preparation is checked against: the mask F.sdpa itself passes to the kernel, once per backend
+# and mask dtype in a process, since that preparation has changed between PyTorch releases.
+_MASKS_CHECKED = set()
+
+
+class _KernelArguments(TorchDispatchMode):
+    """Records the arguments of one call of ``op`` and returns empty outputs in place of running it."""
+
+    def __init__(self, op):
+        super().__init__()
+        self.op, self.arguments = op, None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is not self.op:
+            return func(*args, **(kwargs or {}))
+        names = [argument.name for argument in func._schema.arguments]
+        self.arguments = {**dict(zip(names, args)), **(kwargs or {})}
+        return tuple(0 if isinstance(output.type, torch.IntType) else args[0].new_empty(0)
+                     for output in func._schema.returns)
+
+
+def _check_mask_preparation(ops, choice, bias, query, key, value, mask, is_causal, scale, enable_gqa):
+    """Raise unless ``bias`` is the mask that F.sdpa gives the backend's kernel for these arguments."""
+    kernel = _KernelArguments(getattr(aten, ops.ops[0]).default)
+    with torch.no_grad(), sdpa_kernel([getattr(SDPBackend, _BACKEND_NAMES[choice])]), kernel:
+        _SDPA(query, key, value, mask, 0.0, is_causal, scale=scale, enable_gqa=enable_gqa)
+    theirs = next((kernel.arguments[name] for name in ("attn_mask", "attn_bias") if name in kernel.arguments), None)
+    if not (isinstance(theirs, torch.Tensor) and theirs.dtype == bias.dtype and theirs.shape == bias.shape
+            and torch.equal(theirs, bias)):
+        raise RuntimeError(f"{_FEATURE} needs its mask for {ops.name} to be the one F.scaled_dot_product_attention "
+                           f"passes the kernel in torch {torch.__version__}, got another ({bias.dtype} "
+                           f"{tuple(bias.shape)} against {getattr(theirs, 'dtype', None)} "
+                           f"{tuple(getattr(theirs, 'shape', ()))}). Train masked batches without the stash on this "
+                           f"PyTorch.")
+    _MASKS_CHECKED.add((ops, mask.dtype))
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Autograd node of the recompute: returns the kept output, and its backward is the backend's attention backward.
 # ---------------------------------------------------------------------------------------------------------------------
@@ -235,9 +316,9 @@ def _ops_for(device_type, choice):
 class _StashedAttention(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, query, key, value, kept, is_causal, scale):
+    def forward(ctx, query, key, value, mask, kept, is_causal, scale):
         ops, out, tensors, scalars = kept
-        ctx.save_for_backward(query, key, value, out, *tensors)
+        ctx.save_for_backward(query, key, value, mask, out, *tensors)
         ctx.ops, ctx.scalars, ctx.is_causal, ctx.scale = ops, scalars, is_causal, scale
         return out
 
@@ -245,10 +326,11 @@ class _StashedAttention(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        query, key, value, out, *tensors = ctx.saved_tensors
-        grad_query, grad_key, grad_value = ctx.ops.backward(grad_out, query, key, value, out, tensors, ctx.scalars,
-                                                            ctx.is_causal, ctx.scale, ctx.needs_input_grad[:3])
-        return grad_query, grad_key, grad_value, None, None, None
+        query, key, value, mask, out, *tensors = ctx.saved_tensors
+        grad_query, grad_key, grad_value = ctx.ops.backward(grad_out, query, key, value, mask, out, tensors,
+                                                            ctx.scalars, ctx.is_causal, ctx.scale,
+                                                            ctx.needs_input_grad[:3])
+        return grad_query, grad_key, grad_value, None, None, None, None
 
 
 def _sdpa_arguments(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
@@ -268,6 +350,13 @@ class _ThreadState(threading.local):
 _state = _ThreadState()
 
 
+def _mask_signature(mask):
+    # While the checkpoint holds a mask, no other tensor has its data pointer; the version counts in-place changes.
+    if mask is None:
+        return None
+    return mask.data_ptr(), mask.shape, mask.stride(), mask.dtype, mask._version
+
+
 class _CheckpointCall:
     """One checkpointed call of a stashed decoder layer.
 
@@ -276,7 +365,7 @@ class _CheckpointCall:
     graph. What its first pass keeps lives in it: released when the recompute takes it, or with the graph.
     """
 
-    __slots__ = ("stash", "function", "passes", "attended", "kept", "nbytes", "__weakref__")
+    __slots__ = ("stash", "function", "passes", "attended", "kept", "nbytes", "mask", "__weakref__")
 
     def __init__(self, stash, function):
         self.stash, self.function = stash, function
@@ -284,6 +373,7 @@ class _CheckpointCall:
         self.attended = False
         self.kept = None
         self.nbytes = 0
+        self.mask = None
 
     def __call__(self, *args, **kwargs):
         self.passes += 1
@@ -319,13 +409,20 @@ class _CheckpointCall:
                                f"one. Remove the stash from layers that call attention more than once.")
         self.attended = True
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa = _sdpa_arguments(*args, **kwargs)
-        if attn_mask is not None:
-            raise RuntimeError(f"{_FEATURE} needs attention without a mask in {self.stash.name}, got an attention "
-                               f"mask, as padding (or packing with per-document masks) makes. Train on equal-length "
-                               f"or concatenated sequences with attention_mask=None, or remove the stash.")
         if dropout_p != 0.0:
             raise RuntimeError(f"{_FEATURE} needs attention dropout 0 in {self.stash.name}, got {dropout_p}. Set the "
                                f"model config's attention_dropout to 0.0, or remove the stash.")
+        if attn_mask is not None and attn_mask.requires_grad:
+            raise RuntimeError(f"{_FEATURE} needs an attention mask that does not require grad in {self.stash.name}, "
+                               f"got a learned one. Remove the stash from layers with learned attention biases.")
+        mask = _mask_signature(attn_mask)
+        if self.passes == 1:
+            self.mask = mask
+        elif mask != self.mask:
+            raise RuntimeError(f"{_FEATURE} needs the recompute of {self.stash.name} to get its forward's attention "
+                               f"mask, got {'another one' if mask and self.mask else 'a change from or to none'} "
+                               f"(another tensor, shape or version): the kept output is the forward's. Do not change "
+                               f"a mask in place between a forward and its backward.")
         device_type = query.device.type
         if torch.is_autocast_enabled(device_type):
             # F.sdpa runs in autocast's lower precision; the aten ops below are not autocast-aware.
@@ -338,12 +435,15 @@ class _CheckpointCall:
             choice = torch._fused_sdp_choice(trained,
                                              key,
                                              value,
-                                             None,
+                                             attn_mask,
                                              0.0,
                                              is_causal,
                                              scale=scale,
                                              enable_gqa=enable_gqa)
         ops = _ops_for(device_type, choice)
+        bias = ops.prepare_mask(attn_mask, query, key, value)
+        if bias is not None and (ops, attn_mask.dtype) not in _MASKS_CHECKED:
+            _check_mask_preparation(ops, choice, bias, query, key, value, attn_mask, is_causal, scale, enable_gqa)
         head_dim = query.shape[-1]
         multiple = getattr(ops, "head_dim_multiple", 1)
         padded = head_dim % multiple != 0
@@ -352,7 +452,7 @@ class _CheckpointCall:
             scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
             query, key, value = (F.pad(t, (0, -t.shape[-1] % multiple)) for t in (query, key, value))
         if self.passes == 1:
-            out, tensors, scalars = ops.forward(query, key, value, is_causal, scale)
+            out, tensors, scalars = ops.forward(query, key, value, bias, is_causal, scale)
             self.kept = (ops, out, tensors, scalars)
             self.stash.counters.add(self)
         else:
@@ -364,7 +464,7 @@ class _CheckpointCall:
                                    f"backward.")
             self.kept = None
             self.stash.counters.served(self)
-            out = _StashedAttention.apply(query, key, value, kept, is_causal, scale)
+            out = _StashedAttention.apply(query, key, value, bias, kept, is_causal, scale)
         return out[..., :head_dim] if padded else out
 
     def __del__(self):

@@ -8,7 +8,8 @@ from collections import Counter
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig,
+                          MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 NUM_LAYERS = 3
 CPU_FORWARD = "_scaled_dot_product_flash_attention_for_cpu.default"
@@ -48,6 +49,32 @@ def qwen3_moe_model(dtype=torch.float32, **overrides):
     return Qwen3MoeForCausalLM(Qwen3MoeConfig(**{**config, **overrides})).to(dtype)
 
 
+def llama_model(dtype=torch.float32, **overrides):
+    config = dict(vocab_size=128,
+                  hidden_size=64,
+                  intermediate_size=64,
+                  num_hidden_layers=NUM_LAYERS,
+                  num_attention_heads=4,
+                  num_key_value_heads=2,
+                  max_position_embeddings=64,
+                  attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(**{**config, **overrides})).to(dtype)
+
+
+def mistral_model(dtype=torch.float32, **overrides):
+    config = dict(vocab_size=128,
+                  hidden_size=64,
+                  intermediate_size=64,
+                  num_hidden_layers=NUM_LAYERS,
+                  num_attention_heads=4,
+                  num_key_value_heads=2,
+                  max_position_embeddings=64,
+                  attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return MistralForCausalLM(MistralConfig(**{**config, **overrides})).to(dtype)
+
+
 MODELS = {"mixtral": mixtral_model, "qwen3_moe": qwen3_moe_model}
 
 
@@ -77,12 +104,13 @@ def train_step(model, ids):
 
 
 def stashed_train_step(model, handle, ids):
-    """train_step, checking that every stashed layer keeps its output until the backward takes it."""
+    """train_step, checking that every stashed layer keeps its output until its recompute takes it."""
     model.zero_grad(set_to_none=True)
+    served = handle.recomputes_served
     loss = model(input_ids=ids, labels=ids).loss
     assert handle.num_kept == len(handle.layers)
     loss.backward()
-    assert handle.num_kept == 0
+    assert handle.num_kept == 0 and handle.recomputes_served == served + len(handle.layers)
     return loss.detach(), param_grads(model)
 
 

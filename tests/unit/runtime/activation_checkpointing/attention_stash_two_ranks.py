@@ -53,6 +53,7 @@ def train(stashed, report):
         losses.append(loss.item())
     if handle is not None:
         report["kept_after_steps"] = handle.num_kept
+        report["recomputes_served"] = handle.recomputes_served
         handle.remove()
     return losses
 

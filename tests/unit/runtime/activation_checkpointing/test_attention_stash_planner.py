@@ -87,7 +87,7 @@ def test_budget_at_the_edges(install):
     handle = install(model, memory_budget=2 * per_layer + 1, micro_batch_size=2, sequence_length=32)
     assert handle.layers == ("model.layers.1", "model.layers.2")
     loss = _forward(model, 2, 32)
-    assert handle.kept_bytes == 2 * per_layer <= 2 * per_layer + 1
+    assert handle.kept_bytes == 2 * per_layer
     loss.backward()
 
 

@@ -1,0 +1,205 @@
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""Attention masks: padded, packed and sliding-window batches, and additive float masks.
+
+Each case trains a model with and without the stash and compares bitwise: the replay runs the same CPU kernel on the
+same mask F.sdpa would give it. Each counts that the recompute runs no attention forward kernel and that every stashed
+layer's recompute was served. CI runs them on both checkpoint layouts of transformers.
+"""
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from deepspeed.runtime.activation_checkpointing import attention_stash
+from deepspeed.runtime.activation_checkpointing.attention_stash import install_attention_stash
+
+from attention_stash_helpers import (CPU_BACKWARD, CPU_FORWARD, NUM_LAYERS, CountOps, assert_same_grads, batch_ids,
+                                     checkpointed, llama_model, mistral_model, param_grads, qwen3_moe_model)
+
+SEQUENCE = 32
+
+
+@pytest.fixture
+def install():
+    handles = []
+
+    def _install(model, num_layers):
+        handle = install_attention_stash(model, num_layers)
+        handles.append(handle)
+        return handle
+
+    yield _install
+    for handle in handles:
+        handle.remove()
+    assert not attention_stash._STASHES
+
+
+def _step(model, **inputs):
+    model.zero_grad(set_to_none=True)
+    loss = model(**inputs).loss
+    with CountOps() as backward:
+        loss.backward()
+    return loss.detach(), param_grads(model), backward.calls
+
+
+def _assert_served_exactly(make_model, num_layers=NUM_LAYERS, install=None, **inputs):
+    """The stashed step equals the plain one bitwise; the recompute ran the attention forward only in the layers
+    without a stash, and every stashed layer's recompute was served."""
+    model = checkpointed(make_model())
+    expected_loss, expected, plain_calls = _step(model, **inputs)
+    assert plain_calls[CPU_FORWARD] == NUM_LAYERS  # the masked calls run the fused CPU kernel, here as in F.sdpa
+    handle = install(model, num_layers)
+    loss, grads, calls = _step(model, **inputs)
+    assert handle.recomputes_served == num_layers and handle.num_kept == 0
+    assert calls[CPU_FORWARD] == NUM_LAYERS - num_layers and calls[CPU_BACKWARD] == NUM_LAYERS
+    assert not torch.isnan(loss)
+    assert torch.equal(loss, expected_loss)
+    assert_same_grads(grads, expected)
+    return handle
+
+
+def _padding_mask(side):
+    mask = torch.ones(2, SEQUENCE, dtype=torch.long)
+    if side == "right":
+        mask[0, -9:] = 0
+        mask[1, -3:] = 0
+    else:
+        # Left padding: the padded rows of the prefix attend to nothing at all (fully masked).
+        mask[0, :9] = 0
+        mask[1, :3] = 0
+    return mask
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+@pytest.mark.parametrize("make_model", [llama_model, qwen3_moe_model], ids=["llama", "qwen3_moe"])
+def test_padded_batches(install, make_model, side):
+    ids = batch_ids(sequence=SEQUENCE)
+    mask = _padding_mask(side)
+    labels = ids.masked_fill(mask == 0, -100)
+    _assert_served_exactly(make_model, install=install, input_ids=ids, attention_mask=mask, labels=labels)
+
+
+def test_padded_batch_with_some_layers_stashed(install):
+    ids = batch_ids(sequence=SEQUENCE)
+    _assert_served_exactly(llama_model,
+                           1,
+                           install=install,
+                           input_ids=ids,
+                           attention_mask=_padding_mask("left"),
+                           labels=ids)
+
+
+def test_packed_documents_from_position_ids(install):
+    """Documents packed into rows, told apart by position ids that restart: Hugging Face builds per-document causal
+    masks from them (no attention_mask given)."""
+    ids = batch_ids(sequence=SEQUENCE)
+    position_ids = torch.cat([torch.arange(12), torch.arange(7), torch.arange(13)]).repeat(2, 1)
+    position_ids[1] = torch.cat([torch.arange(20), torch.arange(12)])
+    seen = []
+
+    def model_masks(module, args, kwargs):
+        seen.append(kwargs.get("attention_mask"))
+
+    def make_model():
+        model = qwen3_moe_model()
+        model.model.layers[0].self_attn.register_forward_pre_hook(model_masks, with_kwargs=True)
+        return model
+
+    handle = _assert_served_exactly(make_model, install=install, input_ids=ids, position_ids=position_ids, labels=ids)
+    # Block-diagonal: the first row's second document does not see its first.
+    assert seen[0] is not None and not seen[0][0, 0, 12, 11] and seen[0][0, 0, 12, 12]
+    assert handle.recomputes_served == NUM_LAYERS
+
+
+def test_sliding_window_shorter_than_the_sequence(install):
+    ids = batch_ids(sequence=SEQUENCE)
+    _assert_served_exactly(lambda: mistral_model(sliding_window=8), install=install, input_ids=ids, labels=ids)
+
+
+def test_additive_float_mask(install):
+    """A 4D float mask, which Hugging Face passes to the attention as it is: an additive bias, with -inf and finite
+    values, broadcast over the heads."""
+    ids = batch_ids(sequence=SEQUENCE)
+    bias = torch.randn(2, 1, SEQUENCE, SEQUENCE, generator=torch.Generator().manual_seed(3))
+    bias = bias.masked_fill(~torch.ones(SEQUENCE, SEQUENCE, dtype=torch.bool).tril(), float("-inf"))
+    _assert_served_exactly(llama_model, install=install, input_ids=ids, attention_mask=bias, labels=ids)
+
+
+def test_bf16_padded_batch(install):
+    ids = batch_ids(sequence=SEQUENCE)
+    _assert_served_exactly(lambda: qwen3_moe_model(torch.bfloat16),
+                           install=install,
+                           input_ids=ids,
+                           attention_mask=_padding_mask("left"),
+                           labels=ids)
+
+
+def test_rejects_a_mask_changed_between_forward_and_backward(install):
+    model = checkpointed(llama_model())
+    install(model, 1)
+    masks = []
+    model.model.layers[2].self_attn.register_forward_pre_hook(
+        lambda module, args, kwargs: masks.append(kwargs["attention_mask"]), with_kwargs=True)
+    ids = batch_ids(sequence=SEQUENCE)
+    loss = model(input_ids=ids, attention_mask=_padding_mask("right"), labels=ids).loss
+    masks[0].logical_not_().logical_not_()  # the same values, written in place
+    with pytest.raises(RuntimeError,
+                       match="needs the recompute of model.layers.2 to get its forward's attention mask, got another "
+                       "one"):
+        loss.backward()
+
+
+def test_rejects_a_masked_call_that_pytorch_runs_on_math(install):
+    model = checkpointed(llama_model())
+    install(model, 1)
+    ids = batch_ids(sequence=SEQUENCE)
+    with sdpa_kernel(SDPBackend.MATH), pytest.raises(RuntimeError,
+                                                     match="a fused SDPA backend it can replay: .*got MATH on cpu"):
+        model(input_ids=ids, attention_mask=_padding_mask("left"), labels=ids)
+
+
+def test_rejects_a_learned_mask(install):
+    model = checkpointed(llama_model())
+    install(model, 1)
+    ids = batch_ids(sequence=SEQUENCE)
+    bias = torch.zeros(2, 1, SEQUENCE, SEQUENCE, requires_grad=True)
+    with pytest.raises(RuntimeError, match="needs an attention mask that does not require grad in model.layers.2"):
+        model(input_ids=ids, attention_mask=bias, labels=ids)
+
+
+def test_mask_preparation_is_checked_against_pytorch_once(install, monkeypatch):
+    """The first masked call of a backend in a process compares the stash's prepared mask with the one F.sdpa gives
+    the kernel; a preparation that PyTorch does not make (here: finfo.min where F.sdpa writes -inf) raises."""
+    monkeypatch.setattr(attention_stash, "_MASKS_CHECKED", set())
+    model = checkpointed(llama_model())
+    install(model, 1)
+    ids = batch_ids(sequence=SEQUENCE)
+    model(input_ids=ids, attention_mask=_padding_mask("left"), labels=ids).loss.backward()
+    assert attention_stash._MASKS_CHECKED == {(attention_stash._CpuFlashOps, torch.bool)}
+
+    def finfo_min_mask(mask, dtype):
+        return mask if mask is None else torch.zeros(mask.shape, dtype=dtype).masked_fill(
+            ~mask,
+            torch.finfo(dtype).min)
+
+    monkeypatch.setattr(attention_stash, "_float_mask", finfo_min_mask)
+    monkeypatch.setattr(attention_stash, "_MASKS_CHECKED", set())
+    with pytest.raises(RuntimeError,
+                       match="needs its mask for CPU flash attention to be the one F.scaled_dot_product_attention "
+                       "passes the kernel in torch"):
+        model(input_ids=ids, attention_mask=_padding_mask("left"), labels=ids)
+
+
+@pytest.mark.parametrize("keys", [32, 30, 17])
+def test_memory_efficient_bias_is_aligned_with_the_same_values(keys):
+    """F.sdpa's preprocessing for memory-efficient attention, run on CPU tensors: a boolean mask becomes an additive
+    one, rows whose strides the kernel cannot load are padded and sliced back, and the bias is expanded over heads."""
+    query, key = torch.randn(2, 4, 8, 16), torch.randn(2, 4, keys, 16)
+    mask = torch.rand(2, 1, 8, keys, generator=torch.Generator().manual_seed(0)) > 0.3
+    bias = attention_stash._EfficientOps.prepare_mask(mask, query, key, key)
+    assert bias.shape == (2, 4, 8, keys) and bias.dtype == torch.float32 and bias.stride(-1) == 1
+    assert all(stride % 16 == 0 for stride in bias.stride()[:-1] if stride)
+    expected = torch.zeros(2, 1, 8, keys).masked_fill(~mask, float("-inf")).expand(2, 4, 8, keys)
+    assert torch.equal(bias, expected)
