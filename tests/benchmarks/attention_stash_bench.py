@@ -79,6 +79,13 @@ def parse_args(argv=None):
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="overrides the preset")
     parser.add_argument("--device", choices=["cpu", "cuda"], help="overrides the preset; must be DeepSpeed's")
     parser.add_argument("--autoep", action="store_true", help="AutoEP (autoep_size 1); needs transformers <= 5.22")
+    parser.add_argument(
+        "--pad-fraction",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="pad each row of the batch: row i of n has its last F*(i+1)/n of positions padded, so the "
+        "attention runs with a padding mask")
     parser.add_argument("--no-sac",
                         action="store_true",
                         help="skip the selective activation checkpointing arm and its non-reentrant control")
@@ -92,6 +99,9 @@ def parse_args(argv=None):
     settings["top_k"] = min(settings["top_k"], settings["experts"])
     if settings["layers"] < 2 or settings["steps"] < 1 or settings["warmup"] < 1:
         parser.error("needs at least 2 layers, 1 warm-up step and 1 timed step")
+    if not 0.0 <= args.pad_fraction < 1.0:
+        parser.error("needs --pad-fraction from 0 up to, not including, 1")
+    settings["pad_fraction"] = args.pad_fraction
     return args, settings
 
 
@@ -242,31 +252,62 @@ def _synchronize(device):
         torch.cuda.synchronize()
 
 
-def attention_forward_ms(settings, repeats=7):
+def attention_forward_ms(settings, padding=None, repeats=7):
     """The op-level gate: the attention forward the recompute runs, at the model's shapes, as F.sdpa dispatches it.
 
-    Returns its median time in milliseconds and the SDPA backend PyTorch chose, which the stash replays.
+    With ``padding`` (a batch's attention_mask), as Hugging Face calls it for a padded batch: a boolean causal mask
+    that also masks the padded keys, and key/value heads repeated to the query heads. Returns the median time in
+    milliseconds and the SDPA backend PyTorch chose, which the stash replays.
     """
     device, dtype = settings["device"], getattr(torch, settings["dtype"])
     generator = torch.Generator(device=device).manual_seed(0)
+    key_heads = settings["kv_heads"] if padding is None else settings["heads"]
 
     def projected(heads):
         # Laid out as Hugging Face's attention passes them: a projection's output viewed per head and transposed.
         shape = (settings["micro_batch"], settings["sequence"], heads, settings["head_dim"])
         return torch.randn(shape, device=device, dtype=dtype, generator=generator).transpose(1, 2).requires_grad_()
 
-    query, key, value = projected(settings["heads"]), projected(settings["kv_heads"]), projected(settings["kv_heads"])
-    choice = torch._fused_sdp_choice(query, key, value, None, 0.0, True, enable_gqa=True)
+    query, key, value = projected(settings["heads"]), projected(key_heads), projected(key_heads)
+    arguments = dict(attn_mask=None, is_causal=True, enable_gqa=True)
+    if padding is not None:
+        causal = torch.ones(settings["sequence"], settings["sequence"], dtype=torch.bool, device=device).tril()
+        mask = causal[None, None] & padding.bool()[:, None, None, :]
+        arguments = dict(attn_mask=mask, is_causal=False, enable_gqa=False)
+    choice = torch._fused_sdp_choice(query,
+                                     key,
+                                     value,
+                                     arguments["attn_mask"],
+                                     0.0,
+                                     arguments["is_causal"],
+                                     enable_gqa=arguments["enable_gqa"])
     backend = next(name for name, member in SDPBackend.__members__.items() if member.value == choice)
     times = []
     for _ in range(repeats + 1):
         _synchronize(device)
         start = time.perf_counter()
         # With inputs that require grad, as in the recompute, so the kernel computes its log-sum-exp too.
-        torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, enable_gqa=True)
+        torch.nn.functional.scaled_dot_product_attention(query, key, value, **arguments)
         _synchronize(device)
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times[1:]), backend
+
+
+def make_batches(settings, count):
+    """The same batches for every arm; with a pad fraction, rows padded at their ends and labels -100 there."""
+    generator = torch.Generator().manual_seed(1)
+    rows, sequence = settings["micro_batch"], settings["sequence"]
+    batches = []
+    for _ in range(count):
+        ids = torch.randint(0, settings["vocab"], (rows, sequence), generator=generator)
+        batch = {"input_ids": ids, "labels": ids}
+        if settings["pad_fraction"]:
+            mask = torch.ones_like(ids)
+            for row in range(rows):
+                mask[row, sequence - int(settings["pad_fraction"] * sequence * (row + 1) / rows):] = 0
+            batch.update(attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+        batches.append({name: tensor.to(settings["device"]) for name, tensor in batch.items()})
+    return batches
 
 
 def run_arm(engine, initial, batches, settings, arm):
@@ -282,14 +323,14 @@ def run_arm(engine, initial, batches, settings, arm):
         torch.cuda.reset_peak_memory_stats()
     times, losses, peak_live, peak_rss, kept = [], [], None, None, 0
     try:
-        for index, ids in enumerate(batches):
+        for index, batch in enumerate(batches):
             # On CPU the first, untimed step measures memory: live tensor bytes and the process's resident set.
             measure = device == "cpu" and index == 0
             live, rss = (_LiveTensorBytes(), _PeakRss()) if measure else (contextlib.nullcontext(), ) * 2
             _synchronize(device)
             start = time.perf_counter()
             with rss, live:
-                loss = engine(input_ids=ids, labels=ids).loss
+                loss = engine(**batch).loss
                 engine.backward(loss)
                 engine.step()
             _synchronize(device)
@@ -301,11 +342,16 @@ def run_arm(engine, initial, batches, settings, arm):
                 times.append(elapsed)
             if handle is not None and handle.num_kept:
                 raise RuntimeError(f"{handle.num_kept} stashed outputs left after the backward")
+        if handle is not None and handle.recomputes_served != arm["stashed"] * len(batches):
+            # A silent fallback would time plain recompute under the stash's name.
+            raise RuntimeError(f"attention_stash_bench needs the stash to serve every recompute of {arm['label']}, "
+                               f"got {handle.recomputes_served} of {arm['stashed']} layers x {len(batches)} steps.")
         kept = handle.peak_kept_bytes if handle is not None else 0
     finally:
         if handle is not None:
             handle.remove()
     return {
+        "recomputes_served": handle.recomputes_served if handle is not None else 0,
         "times_ms": times,
         "median_ms": statistics.median(times),
         "losses": losses,
@@ -314,6 +360,19 @@ def run_arm(engine, initial, batches, settings, arm):
         "peak_rss_bytes": peak_rss,
         "peak_live_bytes": peak_live,
     }
+
+
+def _largest(values):
+    values = [value for value in values if value is not None]
+    return max(values) if values else None
+
+
+def _quartiles(times):
+    """First and third quartile of the timed steps: the spread a saving must stand out from."""
+    if len(times) < 2:
+        return [times[0], times[0]]
+    first, _, third = statistics.quantiles(times, n=4, method="inclusive")
+    return [first, third]
 
 
 def summarize(settings, arms, runs, attention_ms):
@@ -330,14 +389,21 @@ def summarize(settings, arms, runs, attention_ms):
             "spread_ms":
             [min(t for run in results for t in run["times_ms"]),
              max(t for run in results for t in run["times_ms"])],
+            "quartiles_ms":
+            _quartiles([t for run in results for t in run["times_ms"]]),
+            # Each device reports its own memory figures; the others are None.
             "peak_allocated_bytes":
-            max((run["peak_allocated_bytes"] or 0) for run in results) or None,
+            _largest(run["peak_allocated_bytes"] for run in results),
             "peak_rss_bytes":
-            max(run["peak_rss_bytes"] for run in results),
+            _largest(run["peak_rss_bytes"] for run in results),
             "peak_live_bytes":
-            max((run["peak_live_bytes"] or 0) for run in results) or None,
+            _largest(run["peak_live_bytes"] for run in results),
             "kept_bytes":
             max(run["kept_bytes"] for run in results),
+            "recomputes_served":
+            sum(run["recomputes_served"] for run in results),
+            "steps_run":
+            sum(len(run["losses"]) for run in results),
             "losses": [run["losses"] for run in results],
         }
         if arm["kind"] == "plain":
@@ -353,6 +419,12 @@ def summarize(settings, arms, runs, attention_ms):
             ]
             row["saved_fraction_of_attention"] = row["saved_per_layer_ms"] / attention_ms
             row["kept_per_layer_bytes"] = row["kept_bytes"] / row["stashed"]
+            # The step-time noise per stashed layer: the wider interquartile range of this arm and the plain one.
+            spread = max(high - low for low, high in (row["quartiles_ms"], plain["quartiles_ms"]))
+            row["noise_per_layer_ms"] = spread / row["stashed"]
+            # The stash saves at most one attention forward per stashed layer and micro-batch; a larger saving than
+            # that plus the noise says the machine moved the timings, not the stash.
+            row["noisy"] = row["saved_per_layer_ms"] > attention_ms + row["noise_per_layer_ms"]
 
     # Same-arm repeat noise against the spread across arms, step by step.
     repeat_noise = max(
@@ -371,28 +443,42 @@ def _memory_columns(device):
 def format_table(settings, by_arm, attention_ms, backend, predicted_bytes, repeat_noise, cross_arm):
     device = settings["device"]
     columns = _memory_columns(device)
-    header = (f"{'arm':<24}{'stashed':>6}  {'run medians (ms)':<22}{'median (ms)':>12}{'vs plain':>10}" +
-              "".join(f"{label:>15}" for label, _ in columns) + f"{'kept/layer':>14}")
+    header = (f"{'arm':<24}{'stashed':>6}  {'run medians (ms)':<22}{'median (ms)':>12}{'IQR (ms)':>20}"
+              f"{'vs plain':>10}" + "".join(f"{label:>15}" for label, _ in columns) + f"{'kept/layer':>14}")
     lines = [header, "-" * len(header)]
+
+    def mib(value):
+        return "-" if value is None else f"{value / 2**20:,.1f} MiB"
+
     for row in by_arm:
         kept = f"{row['kept_per_layer_bytes'] / 2**20:.2f} MiB" if row["kind"] == "stash" else "-"
+        quartiles = " - ".join(f"{q:,.1f}" for q in row["quartiles_ms"])
         lines.append(f"{row['label']:<24}{row['stashed'] if row['kind'] in ('plain', 'stash') else '-':>6}  "
                      f"{' / '.join(f'{m:,.1f}' for m in row['run_medians_ms']):<22}{row['median_ms']:>12,.1f}"
-                     f"{row['vs_plain']:>+10.2%}" + "".join(f"{row[key] / 2**20:>11,.1f} MiB"
-                                                            for _, key in columns) + f"{kept:>14}")
+                     f"{quartiles:>20}{row['vs_plain']:>+10.2%}" + "".join(f"{mib(row[key]):>15}"
+                                                                           for _, key in columns) + f"{kept:>14}")
     lines.append("")
     lines.append(f"attention forward (op-level gate): {attention_ms:.2f} ms per layer and micro-batch, query "
                  f"({settings['micro_batch']}, {settings['heads']}, {settings['sequence']}, {settings['head_dim']}), "
                  f"{settings['kv_heads']} key/value heads, {settings['dtype']}, {device}, SDPA backend {backend}")
     for row in by_arm:
         if row["kind"] == "stash":
-            lines.append(f"saved per stashed layer and micro-batch, {row['stashed']} layers: "
-                         f"{row['saved_per_layer_ms']:.2f} ms "
-                         f"(sweeps {' / '.join(f'{saved:.1f}' for saved in row['saved_per_layer_by_sweep_ms'])}) = "
-                         f"{row['saved_fraction_of_attention']:.0%} of the "
-                         f"attention forward; kept {row['kept_per_layer_bytes']:,.0f} B per layer against the "
-                         f"planner's {predicted_bytes:,} B (output + FP32 LSE), "
-                         f"{row['kept_per_layer_bytes'] / predicted_bytes - 1:+.2%}")
+            saved = (f"{row['saved_per_layer_ms']:.2f} ms (sweeps "
+                     f"{' / '.join(f'{saved:.1f}' for saved in row['saved_per_layer_by_sweep_ms'])}, noise "
+                     f"{row['noise_per_layer_ms']:.2f} ms)")
+            if row["noisy"]:
+                verdict = (f"NOISY: more than the attention forward ({attention_ms:.2f} ms) plus the noise allows; "
+                           f"the machine moved the timings, repeat the run on an idle machine")
+            elif row["noise_per_layer_ms"] >= attention_ms:
+                verdict = (f"UNRESOLVED: the noise is as large as the attention forward ({attention_ms:.2f} ms); "
+                           f"time longer sequences or more steps, on an idle machine")
+            else:
+                verdict = f"{row['saved_fraction_of_attention']:.0%} of the attention forward"
+            lines.append(f"saved per stashed layer and micro-batch, {row['stashed']} layers: {saved} = {verdict}; "
+                         f"kept {row['kept_per_layer_bytes']:,.0f} B per layer against the planner's "
+                         f"{predicted_bytes:,} B (output + FP32 LSE), "
+                         f"{row['kept_per_layer_bytes'] / predicted_bytes - 1:+.2%}; recomputes served "
+                         f"{row['recomputes_served']:,} = {row['stashed']} layers x {row['steps_run']} steps")
     kinds = {row["kind"]: row for row in by_arm if row["kind"] != "stash"}
     if "selective" in kinds:
         full = max((row for row in by_arm if row["kind"] == "stash"), key=lambda row: row["stashed"])
@@ -486,12 +572,7 @@ def main(argv=None):
         },
         "optimizer": copy.deepcopy(engine.optimizer.state_dict()),
     }
-    generator = torch.Generator().manual_seed(1)
-    batches = [
-        torch.randint(0, settings["vocab"], (settings["micro_batch"], settings["sequence"]),
-                      generator=generator).to(settings["device"])
-        for _ in range(settings["warmup"] + settings["steps"])
-    ]
+    batches = make_batches(settings, settings["warmup"] + settings["steps"])
 
     half, full = settings["layers"] // 2, settings["layers"]
     arms = [
@@ -504,6 +585,10 @@ def main(argv=None):
         # what saving the SDPA outputs costs from what the other checkpoint implementation costs.
         arms.append(dict(label="non-reentrant recompute", kind="non_reentrant", stashed=0))
         arms.append(dict(label="selective AC (SDPA)", kind="selective", stashed=0))
+    # A global warm-up, untimed: first-use costs (allocator growth, kernel and library initialization) would otherwise
+    # land on the first arm, the plain one. One step of each checkpointing kind.
+    for arm in {arm["kind"]: arm for arm in arms}.values():
+        run_arm(engine, initial, batches[:1], {**settings, "warmup": 0}, arm)
     order = arms + arms[::-1]
     runs = []
     for index, arm in enumerate(order, 1):
@@ -513,7 +598,7 @@ def main(argv=None):
             f"[{index}/{len(order)}] {arm['label']}: median {run['median_ms']:,.1f} ms, losses "
             f"{', '.join(f'{loss:.6f}' for loss in run['losses'])}",
             flush=True)
-    attention_ms, backend = attention_forward_ms(settings)
+    attention_ms, backend = attention_forward_ms(settings, batches[0].get("attention_mask"))
     # What the stash's memory planner predicts one layer keeps per micro-batch, for the same shapes.
     predicted_bytes = attention_stash_layer_bytes(engine.module,
                                                   settings["micro_batch"],
@@ -544,9 +629,10 @@ def main(argv=None):
     if args.plot:
         plot(args.plot, settings, by_arm)
     print()
+    padding = f"rows padded up to {settings['pad_fraction']:.0%}, " if settings["pad_fraction"] else ""
     print(f"attention stash benchmark: Qwen3-MoE {settings['layers']} layers, {settings['experts']} experts "
           f"(top {settings['top_k']}), sequence {settings['sequence']}, micro-batch {settings['micro_batch']}, "
-          f"{settings['dtype']} on {settings['device']}, {settings['steps']} timed steps after "
+          f"{settings['dtype']} on {settings['device']}, {padding}{settings['steps']} timed steps after "
           f"{settings['warmup']} per run{', AutoEP' if args.autoep else ''}; torch {torch.__version__}, "
           f"transformers {transformers.__version__}, deepspeed {deepspeed.__version__}")
     print(format_table(settings, by_arm, attention_ms, backend, predicted_bytes, repeat_noise, cross_arm))
