@@ -22,7 +22,6 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.autograd.function import once_differentiable
 
 from deepspeed.utils import logger
 
@@ -59,6 +58,7 @@ class _CpuFlashOps:
     """``F.scaled_dot_product_attention``'s fused CPU kernel; it takes grouped key/value heads as they are."""
 
     name = "CPU flash attention"
+    head_dim_multiple = 1
     ops = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward")
 
     @staticmethod
@@ -73,34 +73,35 @@ class _CpuFlashOps:
 
     @staticmethod
     def forward(query, key, value, mask, is_causal, scale):
-        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(query,
-                                                                    key,
-                                                                    value,
-                                                                    0.0,
-                                                                    is_causal,
-                                                                    attn_mask=mask,
-                                                                    scale=scale)
+        out, lse = torch._scaled_dot_product_flash_attention_for_cpu(query,
+                                                                     key,
+                                                                     value,
+                                                                     0.0,
+                                                                     is_causal,
+                                                                     attn_mask=mask,
+                                                                     scale=scale)
         return out, (lse, ), ()
 
     @staticmethod
     def backward(grad_out, query, key, value, mask, out, tensors, scalars, is_causal, scale, needs_grad):
         lse, = tensors
-        return aten._scaled_dot_product_flash_attention_for_cpu_backward(grad_out,
-                                                                         query,
-                                                                         key,
-                                                                         value,
-                                                                         out,
-                                                                         lse,
-                                                                         0.0,
-                                                                         is_causal,
-                                                                         attn_mask=mask,
-                                                                         scale=scale)
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward.default(grad_out,
+                                                                                 query,
+                                                                                 key,
+                                                                                 value,
+                                                                                 out,
+                                                                                 lse,
+                                                                                 0.0,
+                                                                                 is_causal,
+                                                                                 attn_mask=mask,
+                                                                                 scale=scale)
 
 
 class _CudnnOps:
     """cuDNN attention, PyTorch's first SDPA choice on Hopper and Blackwell GPUs."""
 
     name = "cuDNN attention"
+    head_dim_multiple = 1
     ops = ("_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward")
 
     @staticmethod
@@ -117,30 +118,37 @@ class _CudnnOps:
     def forward(query, key, value, mask, is_causal, scale):
         # compute_log_sumexp=True: under the checkpoint's no_grad first forward F.sdpa would skip the log-sum-exp.
         out, lse, cum_seq_q, cum_seq_k, max_q, max_k, philox_seed, philox_offset, _ = (
-            aten._scaled_dot_product_cudnn_attention(query, key, value, mask, True, 0.0, is_causal, False,
-                                                     scale=scale))
+            torch._scaled_dot_product_cudnn_attention(query,
+                                                      key,
+                                                      value,
+                                                      mask,
+                                                      True,
+                                                      0.0,
+                                                      is_causal,
+                                                      False,
+                                                      scale=scale))
         return out, (lse, philox_seed, philox_offset, cum_seq_q, cum_seq_k), (max_q, max_k)
 
     @staticmethod
     def backward(grad_out, query, key, value, mask, out, tensors, scalars, is_causal, scale, needs_grad):
         lse, philox_seed, philox_offset, cum_seq_q, cum_seq_k = tensors
         max_q, max_k = scalars
-        return aten._scaled_dot_product_cudnn_attention_backward(grad_out,
-                                                                 query,
-                                                                 key,
-                                                                 value,
-                                                                 out,
-                                                                 lse,
-                                                                 philox_seed,
-                                                                 philox_offset,
-                                                                 mask,
-                                                                 cum_seq_q,
-                                                                 cum_seq_k,
-                                                                 max_q,
-                                                                 max_k,
-                                                                 0.0,
-                                                                 is_causal,
-                                                                 scale=scale)
+        return aten._scaled_dot_product_cudnn_attention_backward.default(grad_out,
+                                                                         query,
+                                                                         key,
+                                                                         value,
+                                                                         out,
+                                                                         lse,
+                                                                         philox_seed,
+                                                                         philox_offset,
+                                                                         mask,
+                                                                         cum_seq_q,
+                                                                         cum_seq_k,
+                                                                         max_q,
+                                                                         max_k,
+                                                                         0.0,
+                                                                         is_causal,
+                                                                         scale=scale)
 
 
 class _FlashOps:
@@ -164,8 +172,8 @@ class _FlashOps:
 
     @staticmethod
     def forward(query, key, value, mask, is_causal, scale):
-        out, lse, cum_seq_q, cum_seq_k, max_q, max_k, rng_state, unused, _ = (aten._scaled_dot_product_flash_attention(
-            query, key, value, 0.0, is_causal, False, scale=scale))
+        out, lse, cum_seq_q, cum_seq_k, max_q, max_k, rng_state, unused, _ = (
+            torch._scaled_dot_product_flash_attention(query, key, value, 0.0, is_causal, False, scale=scale))
         return out, (lse, cum_seq_q, cum_seq_k, rng_state, unused), (max_q, max_k)
 
     @staticmethod
@@ -173,27 +181,28 @@ class _FlashOps:
         lse, cum_seq_q, cum_seq_k, rng_state, unused = tensors
         max_q, max_k = scalars
         # The derivative passes rng_state and unused as the philox seed and offset.
-        return aten._scaled_dot_product_flash_attention_backward(grad_out,
-                                                                 query,
-                                                                 key,
-                                                                 value,
-                                                                 out,
-                                                                 lse,
-                                                                 cum_seq_q,
-                                                                 cum_seq_k,
-                                                                 max_q,
-                                                                 max_k,
-                                                                 0.0,
-                                                                 is_causal,
-                                                                 rng_state,
-                                                                 unused,
-                                                                 scale=scale)
+        return aten._scaled_dot_product_flash_attention_backward.default(grad_out,
+                                                                         query,
+                                                                         key,
+                                                                         value,
+                                                                         out,
+                                                                         lse,
+                                                                         cum_seq_q,
+                                                                         cum_seq_k,
+                                                                         max_q,
+                                                                         max_k,
+                                                                         0.0,
+                                                                         is_causal,
+                                                                         rng_state,
+                                                                         unused,
+                                                                         scale=scale)
 
 
 class _EfficientOps:
     """Memory-efficient attention on CUDA, PyTorch's choice where flash and cuDNN do not apply."""
 
     name = "memory-efficient attention"
+    head_dim_multiple = 1
     ops = ("_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward")
 
     @staticmethod
@@ -217,21 +226,21 @@ class _EfficientOps:
     @staticmethod
     def forward(query, key, value, mask, is_causal, scale):
         # compute_log_sumexp=True, as in F.sdpa when grads are required; the log-sum-exp is padded to 32 rows.
-        out, lse, philox_seed, philox_offset = aten._scaled_dot_product_efficient_attention(query,
-                                                                                            key,
-                                                                                            value,
-                                                                                            mask,
-                                                                                            True,
-                                                                                            0.0,
-                                                                                            is_causal,
-                                                                                            scale=scale)
+        out, lse, philox_seed, philox_offset = torch._scaled_dot_product_efficient_attention(query,
+                                                                                             key,
+                                                                                             value,
+                                                                                             mask,
+                                                                                             True,
+                                                                                             0.0,
+                                                                                             is_causal,
+                                                                                             scale=scale)
         return out, (lse, philox_seed, philox_offset), ()
 
     @staticmethod
     def backward(grad_out, query, key, value, mask, out, tensors, scalars, is_causal, scale, needs_grad):
         lse, philox_seed, philox_offset = tensors
         # grad_input_mask: which of query, key, value and the bias need a gradient; a mask never does here.
-        grad_query, grad_key, grad_value, _ = aten._scaled_dot_product_efficient_attention_backward(
+        grad_query, grad_key, grad_value, _ = aten._scaled_dot_product_efficient_attention_backward.default(
             grad_out,
             query,
             key,
@@ -255,6 +264,16 @@ _BACKENDS = {
     ("cuda", SDPBackend.EFFICIENT_ATTENTION.value): _EfficientOps,
 }
 _BACKEND_NAMES = {backend.value: name for name, backend in SDPBackend.__members__.items()}
+
+
+def _training_choice(query, key, value, mask, is_causal, scale, enable_gqa):
+    """The backend F.sdpa picks for these arguments in a training forward, where the query requires grad with grad
+    enabled. The first pass runs without grad, where PyTorch may pick another (cuDNN's and flash's limits differ for
+    the backward), so it asks with a query that requires grad."""
+    if not (query.requires_grad and torch.is_grad_enabled()):
+        with torch.enable_grad():
+            return _training_choice(query.detach().requires_grad_(), key, value, mask, is_causal, scale, enable_gqa)
+    return torch._fused_sdp_choice(query, key, value, mask, 0.0, is_causal, scale=scale, enable_gqa=enable_gqa)
 
 
 def _ops_for(device_type, choice):
@@ -322,19 +341,15 @@ class _StashedAttention(torch.autograd.Function):
         ctx.ops, ctx.scalars, ctx.is_causal, ctx.scale = ops, scalars, is_causal, scale
         return out
 
-    # Like autograd's own node for these ops, the backward kernels are not differentiable again.
+    # Like autograd's own node for these ops, the backward is not differentiable again: a second-order backward through
+    # it fails in autograd, as it does through PyTorch's node.
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad_out):
         query, key, value, mask, out, *tensors = ctx.saved_tensors
         grad_query, grad_key, grad_value = ctx.ops.backward(grad_out, query, key, value, mask, out, tensors,
                                                             ctx.scalars, ctx.is_causal, ctx.scale,
                                                             ctx.needs_input_grad[:3])
         return grad_query, grad_key, grad_value, None, None, None, None
-
-
-def _sdpa_arguments(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    return query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -348,13 +363,6 @@ class _ThreadState(threading.local):
 
 
 _state = _ThreadState()
-
-
-def _mask_signature(mask):
-    # While the checkpoint holds a mask, no other tensor has its data pointer; the version counts in-place changes.
-    if mask is None:
-        return None
-    return mask.data_ptr(), mask.shape, mask.stride(), mask.dtype, mask._version
 
 
 class _CheckpointCall:
@@ -400,7 +408,7 @@ class _CheckpointCall:
                                f'implementation, and stash only layers with softmax attention.')
         return outputs
 
-    def attention(self, *args, **kwargs):
+    def sdpa(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         """F.scaled_dot_product_attention for the layer's attention call, with the arguments it got: the first pass
         runs the kernel F.sdpa would run and keeps its outputs, the recompute returns them from an autograd node whose
         backward is that kernel's backward."""
@@ -408,14 +416,17 @@ class _CheckpointCall:
             raise RuntimeError(f"{_FEATURE} needs one attention call per forward of {self.stash.name}, got a second "
                                f"one. Remove the stash from layers that call attention more than once.")
         self.attended = True
-        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa = _sdpa_arguments(*args, **kwargs)
         if dropout_p != 0.0:
             raise RuntimeError(f"{_FEATURE} needs attention dropout 0 in {self.stash.name}, got {dropout_p}. Set the "
                                f"model config's attention_dropout to 0.0, or remove the stash.")
-        if attn_mask is not None and attn_mask.requires_grad:
-            raise RuntimeError(f"{_FEATURE} needs an attention mask that does not require grad in {self.stash.name}, "
-                               f"got a learned one. Remove the stash from layers with learned attention biases.")
-        mask = _mask_signature(attn_mask)
+        mask = None
+        if attn_mask is not None:
+            if attn_mask.requires_grad:
+                raise RuntimeError(f"{_FEATURE} needs an attention mask that does not require grad in "
+                                   f"{self.stash.name}, got a learned one. Remove the stash from layers with learned "
+                                   f"attention biases.")
+            # While the checkpoint holds a mask no other tensor has its data pointer; the version counts changes.
+            mask = attn_mask.data_ptr(), attn_mask.shape, attn_mask.stride(), attn_mask.dtype, attn_mask._version
         if self.passes == 1:
             self.mask = mask
         elif mask != self.mask:
@@ -428,29 +439,19 @@ class _CheckpointCall:
             # F.sdpa runs in autocast's lower precision; the aten ops below are not autocast-aware.
             dtype = torch.get_autocast_dtype(device_type)
             query, key, value = (t.to(dtype) if t.dtype != torch.float64 else t for t in (query, key, value))
-        # The backend F.sdpa picks in a training forward, where the query requires grad with grad enabled. The first
-        # pass runs without grad, where PyTorch may pick another (cuDNN's and flash's limits differ for the backward).
-        with torch.enable_grad():
-            trained = query if query.requires_grad else query.detach().requires_grad_()
-            choice = torch._fused_sdp_choice(trained,
-                                             key,
-                                             value,
-                                             attn_mask,
-                                             0.0,
-                                             is_causal,
-                                             scale=scale,
-                                             enable_gqa=enable_gqa)
+        choice = _training_choice(query, key, value, attn_mask, is_causal, scale, enable_gqa)
         ops = _ops_for(device_type, choice)
-        bias = ops.prepare_mask(attn_mask, query, key, value)
-        if bias is not None and (ops, attn_mask.dtype) not in _MASKS_CHECKED:
-            _check_mask_preparation(ops, choice, bias, query, key, value, attn_mask, is_causal, scale, enable_gqa)
+        bias = None
+        if attn_mask is not None:
+            bias = ops.prepare_mask(attn_mask, query, key, value)
+            if (ops, attn_mask.dtype) not in _MASKS_CHECKED:
+                _check_mask_preparation(ops, choice, bias, query, key, value, attn_mask, is_causal, scale, enable_gqa)
         head_dim = query.shape[-1]
-        multiple = getattr(ops, "head_dim_multiple", 1)
-        padded = head_dim % multiple != 0
+        padded = head_dim % ops.head_dim_multiple != 0
         if padded:
             # As F.sdpa does: the scale from the unpadded head dimension, then zero padding, differentiably.
             scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-            query, key, value = (F.pad(t, (0, -t.shape[-1] % multiple)) for t in (query, key, value))
+            query, key, value = (F.pad(t, (0, -t.shape[-1] % ops.head_dim_multiple)) for t in (query, key, value))
         if self.passes == 1:
             out, tensors, scalars = ops.forward(query, key, value, bias, is_causal, scale)
             self.kept = (ops, out, tensors, scalars)
@@ -483,7 +484,10 @@ class _Counters:
 
     def add(self, call):
         _, out, tensors, _ = call.kept
-        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in (out, *tensors)}
+        storages = {}
+        for tensor in (out, *tensors):
+            storage = tensor.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
         call.nbytes = sum(storages.values())
         self.kept += 1
         self.kept_bytes += call.nbytes
@@ -509,6 +513,8 @@ class _LayerStash:
         self.config = config
         self.counters = counters
         self.active = True
+        # The stored checkpoint function wrapped for the last read, while it is the one stored.
+        self.wrapped = None
 
     def checkpoint(self, checkpoint_function, function, *args, **kwargs):
         """The layer's checkpoint function, as the stash hands it to Hugging Face's checkpointed call."""
@@ -568,7 +574,9 @@ class _CheckpointFunctionSlot:
         stash = _STASHES.get(layer)
         if stash is None or stash.layer() is not layer:
             return function
-        return partial(stash.checkpoint, function)
+        if stash.wrapped is None or stash.wrapped.args[0] is not function:
+            stash.wrapped = partial(stash.checkpoint, function)
+        return stash.wrapped
 
     def __set__(self, layer, function):
         layer.__dict__[_CHECKPOINT_FUNCTION] = function
@@ -583,17 +591,6 @@ class _CheckpointFunctionSlot:
 _SLOT = _CheckpointFunctionSlot()
 
 
-class _Globals(dict):
-    """Globals of the stash's copy of Hugging Face's sdpa function: its own entries, then the module's, live."""
-
-    def __init__(self, module_globals, entries):
-        super().__init__(entries, __builtins__=module_globals["__builtins__"])
-        self.module_globals = module_globals
-
-    def __missing__(self, name):
-        return self.module_globals[name]
-
-
 def _module_view(module, **entries):
     """A module object with ``entries`` in front of ``module``'s attributes."""
     view = types.ModuleType(module.__name__)
@@ -602,7 +599,7 @@ def _module_view(module, **entries):
 
 
 def _attention_of_current_call(*args, **kwargs):
-    return _state.call.attention(*args, **kwargs)
+    return _state.call.sdpa(*args, **kwargs)
 
 
 def _stashing_copy(function):
@@ -628,8 +625,11 @@ def _stashing_copy(function):
         raise RuntimeError(f"{_FEATURE} needs Hugging Face's sdpa attention function, which calls "
                            f"torch.nn.functional.scaled_dot_product_attention, as ALL_ATTENTION_FUNCTIONS[\"sdpa\"], "
                            f"got {function!r}. Install the stash before replacing that entry.")
-    copy = types.FunctionType(code, _Globals(module_globals, entries), function.__name__, function.__defaults__,
-                              function.__closure__)
+    # A snapshot of the module's globals, so that every other name resolves at dictionary speed as in the original.
+    copy = types.FunctionType(code, {
+        **module_globals,
+        **entries
+    }, function.__name__, function.__defaults__, function.__closure__)
     copy.__kwdefaults__ = function.__kwdefaults__
     return copy
 
@@ -661,7 +661,9 @@ def _resolves(root, dotted_name):
 def _entry_points():
     """The transformers objects the stash hooks into; raises if any entry point it uses is missing."""
     missing = [f"torch.{name}" for name in _TORCH_ENTRY_POINTS if not _resolves(torch, name)]
-    missing += [f"torch.ops.aten.{op}" for ops in _BACKENDS.values() for op in ops.ops if not hasattr(aten, op)]
+    # Each forward kernel through its torch binding, each backward through torch.ops.aten.
+    missing += [f"torch.{ops.ops[0]}" for ops in _BACKENDS.values() if not hasattr(torch, ops.ops[0])]
+    missing += [f"torch.ops.aten.{ops.ops[1]}" for ops in _BACKENDS.values() if not hasattr(aten, ops.ops[1])]
     try:
         from transformers.modeling_layers import GradientCheckpointingLayer
     except ImportError:

@@ -494,8 +494,9 @@ def test_rejects_missing_entry_points(monkeypatch, missing):
         monkeypatch.delattr(f"{owner}.{attribute}")
         name = f"torch.{missing}"
     elif missing == "aten_op":
-        monkeypatch.setattr(attention_stash._CudnnOps, "ops", ("_scaled_dot_product_cudnn_attention_v9", ))
-        name = "torch.ops.aten._scaled_dot_product_cudnn_attention_v9"
+        monkeypatch.setattr(attention_stash._CudnnOps, "ops",
+                            ("_scaled_dot_product_cudnn_attention_v9", "_scaled_dot_product_cudnn_attention_backward"))
+        name = "torch._scaled_dot_product_cudnn_attention_v9"
     elif missing == "checkpointing_layer":
         monkeypatch.delattr(transformers.modeling_layers, "GradientCheckpointingLayer")
         name = "transformers.modeling_layers.GradientCheckpointingLayer"
@@ -538,10 +539,10 @@ def _replay(query, key, value, mask, gqa, leaves):
     arguments = dict(attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
     call.passes = 1
     with torch.no_grad():
-        first = call.attention(query, key, value, **arguments)
+        first = call.sdpa(query, key, value, **arguments)
     call.passes, call.attended = 2, False
     inputs = leaves()
-    replayed = call.attention(*inputs, **arguments)
+    replayed = call.sdpa(*inputs, **arguments)
     assert (counters.recomputes_served, counters.kept) == (1, 0)
     assert torch.equal(first, replayed)
     return inputs, replayed

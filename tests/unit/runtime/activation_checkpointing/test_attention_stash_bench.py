@@ -67,7 +67,7 @@ def test_bench_fails_a_stash_that_does_not_serve(bench, monkeypatch):
         call.attended = True
         return attention_stash._SDPA(*args, **kwargs)
 
-    monkeypatch.setattr(attention_stash._CheckpointCall, "attention", plain_attention)
+    monkeypatch.setattr(attention_stash._CheckpointCall, "sdpa", plain_attention)
     with pytest.raises(RuntimeError,
                        match=r"needs the stash to serve every recompute of stash \d layers, got 0 of \d layers"):
         bench.main(["--layers", "2", "--sequence", "64", "--steps", "1", "--experts", "2", "--no-sac"])

@@ -1,0 +1,180 @@
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""Host cost of the attention stash: microseconds of Python per stashed layer and training step.
+
+On a tiny Llama (8 layers, hidden 32, sequence 8) the kernels cost next to nothing, so what a step costs is the host's
+work. Steps of a plain model (reentrant checkpointing) and of the same model with the stash alternate, in pairs, on one
+thread; the median of the paired differences, divided by the stashed layers, is the stash's host cost per stashed layer
+and step. Timers around each layer's checkpointed function split it: the first pass, the recompute, and the rest of
+the backward. A partly stashed model shows what its unstashed layers pay: they must stay within noise of plain. Times
+are the thread's CPU time (time.thread_time), which a descheduled process does not accumulate; the quartiles of the
+paired differences are the noise, and a median outside them is not a result.
+
+    python tests/benchmarks/attention_stash_host.py            # 200 pairs, about a minute
+"""
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+LAYERS = 8
+
+
+def _init():
+    import deepspeed.runtime.activation_checkpointing as activation_checkpointing
+
+    # Run this tree's module, not an older installed copy.
+    tree = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "deepspeed",
+                        "runtime", "activation_checkpointing")
+    if os.path.isfile(os.path.join(tree, "attention_stash.py")) and tree not in activation_checkpointing.__path__:
+        activation_checkpointing.__path__.insert(0, tree)
+
+
+class _PassTimer:
+    """Wraps each layer's checkpoint function so that every run of the checkpointed function is timed: the first run
+    of a checkpoint call is its first pass, the second its recompute."""
+
+    def __init__(self, model):
+        self.first, self.recompute = [], []
+        for layer in model.model.layers:
+            layer._gradient_checkpointing_func = self._wrap(layer.__dict__["_gradient_checkpointing_func"])
+
+    def _wrap(self, checkpoint):
+
+        def timed_checkpoint(function, *args, **kwargs):
+            runs = []
+
+            def timed(*inner_args, **inner_kwargs):
+                start = time.thread_time()
+                try:
+                    return function(*inner_args, **inner_kwargs)
+                finally:
+                    (self.first if not runs else self.recompute).append(time.thread_time() - start)
+                    runs.append(None)
+
+            return checkpoint(timed, *args, **kwargs)
+
+        return timed_checkpoint
+
+    def take(self):
+        first, recompute = sum(self.first), sum(self.recompute)
+        self.first, self.recompute = [], []
+        return first, recompute
+
+
+def _model(stashed):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from deepspeed.runtime.activation_checkpointing.attention_stash import install_attention_stash
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(
+        LlamaConfig(vocab_size=128,
+                    hidden_size=32,
+                    intermediate_size=64,
+                    num_hidden_layers=LAYERS,
+                    num_attention_heads=4,
+                    num_key_value_heads=2,
+                    max_position_embeddings=64,
+                    attn_implementation="sdpa"))
+    # transformers 5.23 renamed gradient_checkpointing_enable, keeping the old name as a deprecated alias.
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    model.train()
+    handle = install_attention_stash(model, stashed) if stashed else None
+    return model, handle, _PassTimer(model)
+
+
+def _step(model, timer, ids):
+    start = time.thread_time()
+    loss = model(input_ids=ids, labels=ids).loss
+    middle = time.thread_time()
+    loss.backward()
+    end = time.thread_time()
+    first, recompute = timer.take()
+    return {
+        "step": end - start,
+        "first pass": first,
+        "recompute": recompute,
+        "backward other": end - middle - recompute
+    }
+
+
+def _paired(plain, other, ids, pairs):
+    """Median and quartiles of (other - plain) per part of the step, in microseconds, over alternating pairs."""
+    differences = {}
+    for index in range(pairs):
+        # Alternate which model runs first, so that a drift of the machine cancels.
+        if index % 2:
+            a, b = _step(*plain, ids), _step(*other, ids)
+        else:
+            b, a = _step(*other, ids), _step(*plain, ids)
+        for part in a:
+            differences.setdefault(part, []).append((b[part] - a[part]) * 1e6)
+    return {
+        part: (statistics.median(values), *statistics.quantiles(values, n=4)[::2])
+        for part, values in differences.items()
+    }
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pairs", type=int, default=200, help="paired steps per comparison")
+    parser.add_argument("--warmup", type=int, default=20, help="untimed steps of each model first")
+    parser.add_argument("--target", type=float, default=100.0, help="microseconds per stashed layer and step")
+    args = parser.parse_args(argv)
+    _init()
+    torch.set_num_threads(1)
+    import transformers
+
+    ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(0))
+    plain = _model(0)[::2]
+    full_model, full_handle, full_timer = _model(LAYERS)
+    half_model, half_handle, half_timer = _model(LAYERS // 2)
+    full, half = (full_model, full_timer), (half_model, half_timer)
+    for _ in range(args.warmup):
+        for model in (plain, full, half):
+            _step(*model, ids)
+    gc.collect()
+    served = full_handle.recomputes_served, half_handle.recomputes_served
+    plain_step = statistics.median(_step(*plain, ids)["step"] for _ in range(args.pairs // 4)) * 1e6
+    full_cost = _paired(plain, full, ids, args.pairs)
+    half_cost = _paired(plain, half, ids, args.pairs)
+    steps = args.warmup + args.pairs
+    expected = (LAYERS * steps, LAYERS // 2 * steps)
+    if (full_handle.recomputes_served - served[0],
+            half_handle.recomputes_served - served[1]) != (LAYERS * args.pairs, LAYERS // 2 * args.pairs):
+        sys.exit(f"attention_stash_host needs every recompute served, got {full_handle.recomputes_served} and "
+                 f"{half_handle.recomputes_served} of {expected}.")
+
+    print(f"attention stash host cost: Llama {LAYERS} layers, hidden 32, sequence 8, one thread, {args.pairs} paired "
+          f"steps; torch {torch.__version__}, transformers {transformers.__version__}; plain reentrant step "
+          f"{plain_step:,.0f} us ({plain_step / LAYERS:,.0f} us per layer)")
+    header = f"{'microseconds per stashed layer and step':<44}{'median':>10}{'quartiles':>22}"
+    print(header)
+    print("-" * len(header))
+    for part in ("step", "first pass", "recompute", "backward other"):
+        median, low, high = (value / LAYERS for value in full_cost[part])
+        print(f"{'all 8 stashed: ' + part:<44}{median:>10.1f}{f'{low:.1f} to {high:.1f}':>22}")
+    # The half-stashed model: its stashed layers should cost what the fully stashed model's do, and the rest nothing.
+    median, low, high = (value / (LAYERS // 2) for value in half_cost["step"])
+    print(f"{'4 of 8 stashed: step, per stashed layer':<44}{median:>10.1f}{f'{low:.1f} to {high:.1f}':>22}")
+    unstashed = (half_cost["step"][0] - LAYERS // 2 * full_cost["step"][0] / LAYERS) / (LAYERS // 2)
+    noise = (full_cost["step"][2] - full_cost["step"][1]) / LAYERS
+    print(f"4 of 8 stashed: the 4 unstashed layers pay {unstashed:+.1f} us each against plain (noise, the quartile "
+          f"range per layer: {noise:.1f} us): {'within' if abs(unstashed) <= noise else 'OUTSIDE'} noise")
+    cost = full_cost["step"][0] / LAYERS
+    print(f"host cost of the stash: {cost:.0f} us per stashed layer and step, "
+          f"{'within' if cost <= args.target else 'over'} the {args.target:.0f} us target")
+
+
+if __name__ == "__main__":
+    main()
