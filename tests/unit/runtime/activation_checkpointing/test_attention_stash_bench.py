@@ -120,3 +120,17 @@ def test_report_calls_a_saving_beyond_the_attention_forward_noisy(bench):
     by_arm, repeat_noise, cross_arm = bench.summarize(settings, arms, runs, attention_ms=0.93)
     table = bench.format_table(settings, by_arm, 0.93, "FLASH_ATTENTION", 136_314_880, repeat_noise, cross_arm)
     assert table.count("NOISY: more than the attention forward (0.93 ms) plus the noise allows") == 2
+
+
+def test_host_benchmark_runs_and_counts_what_it_served(capsys):
+    """Bookkeeping only: the host benchmark's few pairs run, every recompute is served, the table comes out."""
+    sys.path.insert(0, BENCHMARKS)
+    try:
+        import attention_stash_host
+        attention_stash_host.main(["--pairs", "4", "--warmup", "1"])
+    finally:
+        sys.path.remove(BENCHMARKS)
+    out = capsys.readouterr().out
+    for part in ("all 8 stashed: step", "first pass", "recompute", "backward other", "4 unstashed layers pay"):
+        assert part in out
+    assert "host cost of the stash:" in out
