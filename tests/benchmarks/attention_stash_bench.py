@@ -362,6 +362,10 @@ def run_arm(engine, initial, batches, settings, arm):
     }
 
 
+# Stash arm kinds and the kind of the recompute each replaces.
+STASH_KINDS = {"stash": "plain", "stash_nr": "non_reentrant"}
+
+
 def _largest(values):
     values = [value for value in values if value is not None]
     return max(values) if values else None
@@ -406,21 +410,25 @@ def summarize(settings, arms, runs, attention_ms):
             sum(len(run["losses"]) for run in results),
             "losses": [run["losses"] for run in results],
         }
-        if arm["kind"] == "plain":
-            plain = row
         by_arm.append(row)
+    # Each stash arm against the recompute it replaces: reentrant for the stash, non-reentrant for its non-reentrant
+    # arm, which selective checkpointing of the attention call serves.
+    baselines = {row["kind"]: row for row in by_arm if row["kind"] in ("plain", "non_reentrant")}
+    plain = baselines["plain"]
     for row in by_arm:
         row["vs_plain"] = row["median_ms"] / plain["median_ms"] - 1.0
-        if row["kind"] == "stash":
-            row["saved_per_layer_ms"] = (plain["median_ms"] - row["median_ms"]) / row["stashed"]
+        if row["kind"] in STASH_KINDS:
+            base_row = baselines[STASH_KINDS[row["kind"]]]
+            row["baseline"] = base_row["label"]
+            row["saved_per_layer_ms"] = (base_row["median_ms"] - row["median_ms"]) / row["stashed"]
             # The same from each sweep's runs alone (forward order, then reverse): how far noise moves it.
             row["saved_per_layer_by_sweep_ms"] = [
-                (base - mine) / row["stashed"] for base, mine in zip(plain["run_medians_ms"], row["run_medians_ms"])
+                (base - mine) / row["stashed"] for base, mine in zip(base_row["run_medians_ms"], row["run_medians_ms"])
             ]
             row["saved_fraction_of_attention"] = row["saved_per_layer_ms"] / attention_ms
             row["kept_per_layer_bytes"] = row["kept_bytes"] / row["stashed"]
-            # The step-time noise per stashed layer: the wider interquartile range of this arm and the plain one.
-            spread = max(high - low for low, high in (row["quartiles_ms"], plain["quartiles_ms"]))
+            # The step-time noise per stashed layer: the wider interquartile range of this arm and its baseline's.
+            spread = max(high - low for low, high in (row["quartiles_ms"], base_row["quartiles_ms"]))
             row["noise_per_layer_ms"] = spread / row["stashed"]
             # The stash saves at most one attention forward per stashed layer and micro-batch; a larger saving than
             # that plus the noise says the machine moved the timings, not the stash.
@@ -451,9 +459,9 @@ def format_table(settings, by_arm, attention_ms, backend, predicted_bytes, repea
         return "-" if value is None else f"{value / 2**20:,.1f} MiB"
 
     for row in by_arm:
-        kept = f"{row['kept_per_layer_bytes'] / 2**20:.2f} MiB" if row["kind"] == "stash" else "-"
+        kept = f"{row['kept_per_layer_bytes'] / 2**20:.2f} MiB" if row["kind"] in STASH_KINDS else "-"
         quartiles = " - ".join(f"{q:,.1f}" for q in row["quartiles_ms"])
-        lines.append(f"{row['label']:<24}{row['stashed'] if row['kind'] in ('plain', 'stash') else '-':>6}  "
+        lines.append(f"{row['label']:<24}{row['stashed'] if row['stashed'] else '-':>6}  "
                      f"{' / '.join(f'{m:,.1f}' for m in row['run_medians_ms']):<22}{row['median_ms']:>12,.1f}"
                      f"{quartiles:>20}{row['vs_plain']:>+10.2%}" + "".join(f"{mib(row[key]):>15}"
                                                                            for _, key in columns) + f"{kept:>14}")
@@ -462,8 +470,8 @@ def format_table(settings, by_arm, attention_ms, backend, predicted_bytes, repea
                  f"({settings['micro_batch']}, {settings['heads']}, {settings['sequence']}, {settings['head_dim']}), "
                  f"{settings['kv_heads']} key/value heads, {settings['dtype']}, {device}, SDPA backend {backend}")
     for row in by_arm:
-        if row["kind"] == "stash":
-            saved = (f"{row['saved_per_layer_ms']:.2f} ms (sweeps "
+        if row["kind"] in STASH_KINDS:
+            saved = (f"{row['saved_per_layer_ms']:.2f} ms against {row['baseline']} (sweeps "
                      f"{' / '.join(f'{saved:.1f}' for saved in row['saved_per_layer_by_sweep_ms'])}, noise "
                      f"{row['noise_per_layer_ms']:.2f} ms)")
             if row["noisy"]:
@@ -474,12 +482,16 @@ def format_table(settings, by_arm, attention_ms, backend, predicted_bytes, repea
                            f"time longer sequences or more steps, on an idle machine")
             else:
                 verdict = f"{row['saved_fraction_of_attention']:.0%} of the attention forward"
-            lines.append(f"saved per stashed layer and micro-batch, {row['stashed']} layers: {saved} = {verdict}; "
+            lines.append(f"saved per stashed layer and micro-batch, {row['label']}: {saved} = {verdict}; "
                          f"kept {row['kept_per_layer_bytes']:,.0f} B per layer against the planner's "
                          f"{predicted_bytes:,} B (output + FP32 LSE), "
                          f"{row['kept_per_layer_bytes'] / predicted_bytes - 1:+.2%}; recomputes served "
                          f"{row['recomputes_served']:,} = {row['stashed']} layers x {row['steps_run']} steps")
     kinds = {row["kind"]: row for row in by_arm if row["kind"] != "stash"}
+    if "stash_nr" in kinds:
+        reentrant = max((row for row in by_arm if row["kind"] == "stash"), key=lambda row: row["stashed"])
+        lines.append(f"the stash on all layers, non-reentrant against reentrant: step time "
+                     f"{kinds['stash_nr']['median_ms'] / reentrant['median_ms'] - 1:+.2%}")
     if "selective" in kinds:
         full = max((row for row in by_arm if row["kind"] == "stash"), key=lambda row: row["stashed"])
         selective, label, key = kinds["selective"], columns[0][0], columns[0][1]
@@ -584,6 +596,7 @@ def main(argv=None):
         # Selective checkpointing builds on non-reentrant checkpointing; its plain form is the control that separates
         # what saving the SDPA outputs costs from what the other checkpoint implementation costs.
         arms.append(dict(label="non-reentrant recompute", kind="non_reentrant", stashed=0))
+        arms.append(dict(label=f"stash {full}, non-reentrant", kind="stash_nr", stashed=full))
         arms.append(dict(label="selective AC (SDPA)", kind="selective", stashed=0))
     # A global warm-up, untimed: first-use costs (allocator growth, kernel and library initialization) would otherwise
     # land on the first arm, the plain one. One step of each checkpointing kind.

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from deepspeed.utils import logger
 
@@ -35,8 +36,8 @@ _TORCH_ENTRY_POINTS = ("_fused_sdp_choice", "_C._current_graph_task_id",
                        "_C._dynamo.eval_frame.get_eval_frame_callback")
 # The attribute in which Hugging Face keeps a decoder layer's checkpoint function, read at every checkpointed call.
 _CHECKPOINT_FUNCTION = "_gradient_checkpointing_func"
-_REENTRANT_HINT = ('model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True}) '
-                   '(gradient_checkpointing_enable(gradient_checkpointing_kwargs=...) up to transformers 5.22)')
+_CHECKPOINTING_HINT = ("model.activation_checkpointing_enable() (gradient_checkpointing_enable() up to transformers "
+                       "5.22), reentrant or not")
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Per-backend op table. Each entry runs the aten forward that F.scaled_dot_product_attention dispatches to for the
@@ -264,6 +265,8 @@ _BACKENDS = {
     ("cuda", SDPBackend.EFFICIENT_ATTENTION.value): _EfficientOps,
 }
 _BACKEND_NAMES = {backend.value: name for name, backend in SDPBackend.__members__.items()}
+# Each backend's forward kernel, as a dispatch mode sees it: filled by the installer once the kernels resolve.
+_FUSED_FORWARDS = {}
 
 
 def _training_choice(query, key, value, mask, is_causal, scale, enable_gqa):
@@ -373,7 +376,7 @@ class _CheckpointCall:
     graph. What its first pass keeps lives in it: released when the recompute takes it, or with the graph.
     """
 
-    __slots__ = ("stash", "function", "passes", "attended", "kept", "nbytes", "mask", "__weakref__")
+    __slots__ = ("stash", "function", "passes", "attended", "kept", "nbytes", "mask", "selective", "__weakref__")
 
     def __init__(self, stash, function):
         self.stash, self.function = stash, function
@@ -382,13 +385,16 @@ class _CheckpointCall:
         self.kept = None
         self.nbytes = 0
         self.mask = None
+        # Selective checkpointing's caching and cached modes, where the checkpoint is non-reentrant.
+        self.selective = None
 
     def __call__(self, *args, **kwargs):
         self.passes += 1
         self.attended = False
         if self.passes == 1 and torch.is_grad_enabled():
-            self.stash.raise_outside_checkpoint("non-reentrant checkpointing (its first pass runs with grad), "
-                                                "transformers' default")
+            # A checkpoint whose first pass runs with grad is non-reentrant: its recompute must save the very tensors
+            # the first pass saved, so the replay happens below autograd, by selective checkpointing.
+            self.selective = create_selective_checkpoint_contexts(_selective_policy)
         if self.passes > 2:
             raise RuntimeError(f"{_FEATURE} needs one backward per forward of {self.stash.name}, got a second "
                                f"backward through a retained graph (backward(retain_graph=True)): the first backward "
@@ -441,6 +447,8 @@ class _CheckpointCall:
             query, key, value = (t.to(dtype) if t.dtype != torch.float64 else t for t in (query, key, value))
         choice = _training_choice(query, key, value, attn_mask, is_causal, scale, enable_gqa)
         ops = _ops_for(device_type, choice)
+        if self.selective is not None:
+            return self._selective_sdpa(ops, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         bias = None
         if attn_mask is not None:
             bias = ops.prepare_mask(attn_mask, query, key, value)
@@ -455,7 +463,7 @@ class _CheckpointCall:
         if self.passes == 1:
             out, tensors, scalars = ops.forward(query, key, value, bias, is_causal, scale)
             self.kept = (ops, out, tensors, scalars)
-            self.stash.counters.add(self)
+            self.stash.counters.add(self, _storage_bytes((out, *tensors)))
         else:
             kept = self.kept
             if kept[0] is not ops:
@@ -468,11 +476,59 @@ class _CheckpointCall:
             out = _StashedAttention.apply(query, key, value, bias, kept, is_causal, scale)
         return out[..., :head_dim] if padded else out
 
+    def _selective_sdpa(self, ops, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+        """F.sdpa itself, under selective checkpointing's caching mode in the first pass and its cached mode in the
+        recompute, entered around this one call: the kernel's outputs are kept below autograd, whose recomputed node
+        saves them as the first pass's did, as a non-reentrant checkpoint requires."""
+        if self.passes == 1:
+            with self.selective[0]:
+                out = _SDPA(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+            return out
+        kept = self.kept
+        if kept is None or kept[0] is not ops:
+            raise RuntimeError(f"{_FEATURE} needs one SDPA backend for both passes of {self.stash.name}, got "
+                               f"{kept[0].name if kept else 'none'} in the forward and {ops.name} in the recompute. "
+                               f"Keep sdpa_kernel contexts and deterministic-algorithm settings the same for a "
+                               f"forward and its backward.")
+        with self.selective[1]:
+            out = _SDPA(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+        self.kept = None
+        self.stash.counters.served(self)
+        return out
+
     def __del__(self):
         # The checkpoint's graph was freed without the recompute: its forward had no backward.
         if self.kept is not None:
             self.kept = None
             self.stash.counters.released(self)
+
+
+def _storage_bytes(tensors):
+    """Bytes of the distinct storages under ``tensors``."""
+    storages = {}
+    for tensor in tensors:
+        if isinstance(tensor, torch.Tensor):
+            storage = tensor.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def _selective_policy(context, op, *args, **kwargs):
+    """Selective checkpointing's policy in a stashed layer's attention call: keep the fused attention kernel's outputs
+    and count them for the current checkpoint call, recompute everything else. A function of the module rather than
+    a method, so that the call's modes do not hold the call."""
+    ops = _FUSED_FORWARDS.get(op)
+    if ops is None:
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    if not context.is_recompute:
+        call = _state.call
+        outputs = getattr(context, "op_output", None)
+        # PyTorch hands the policy the outputs from 2.13; before, the planner's layout sizes them.
+        nbytes = (_storage_bytes(outputs) if outputs is not None else ops.kept_bytes(
+            args[0].shape[0], args[0].shape[1], args[0].shape[2], args[0].shape[3], args[0].dtype))
+        call.kept = (ops, None, (), ())
+        call.stash.counters.add(call, nbytes)
+    return CheckpointPolicy.MUST_SAVE
 
 
 class _Counters:
@@ -482,13 +538,8 @@ class _Counters:
         self.kept = self.kept_bytes = self.peak_kept_bytes = 0
         self.recomputes_served = self.released_without_backward = 0
 
-    def add(self, call):
-        _, out, tensors, _ = call.kept
-        storages = {}
-        for tensor in (out, *tensors):
-            storage = tensor.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
-        call.nbytes = sum(storages.values())
+    def add(self, call, nbytes):
+        call.nbytes = nbytes
         self.kept += 1
         self.kept_bytes += call.nbytes
         self.peak_kept_bytes = max(self.peak_kept_bytes, self.kept_bytes)
@@ -527,6 +578,14 @@ class _LayerStash:
                                f"torch.compile, whose graphs would break around the stash's state in every stashed "
                                f"layer and whose gradients the stash cannot promise. Train the compiled model "
                                f"without the stash (handle.remove()), or the stashed model without torch.compile.")
+        settings = {**getattr(checkpoint_function, "keywords", {}), **kwargs}
+        if settings.get("context_fn") is not None or settings.get("debug"):
+            given = "context_fn" if settings.get("context_fn") is not None else "debug=True"
+            raise RuntimeError(
+                f"{_FEATURE} needs the checkpoint of {self.name} to run without a context_fn or debug of "
+                f"its own, got {given}: the stash keeps the attention output by selective "
+                f"checkpointing itself. Drop it from the checkpointing kwargs, or remove the stash from "
+                f"these layers.")
         return checkpoint_function(_CheckpointCall(self, function), *args, **kwargs)
 
     def raise_outside_checkpoint(self, cause=None):
@@ -536,8 +595,8 @@ class _LayerStash:
                                    f"a recompute of a forward that ran before the install. Install the stash before "
                                    f"the forward, not between a forward and its backward.")
             cause = "no activation checkpointing on it (none enabled, or every_n_layers leaves it out)"
-        raise RuntimeError(f"{_FEATURE} needs Hugging Face reentrant activation checkpointing for a training forward "
-                           f"of {self.name}, got {cause}. Call {_REENTRANT_HINT}, or put the model in eval mode or "
+        raise RuntimeError(f"{_FEATURE} needs Hugging Face activation checkpointing for a training forward of "
+                           f"{self.name}, got {cause}. Call {_CHECKPOINTING_HINT}, or put the model in eval mode or "
                            f"torch.no_grad() for forwards without a backward.")
 
 
@@ -678,6 +737,8 @@ def _entry_points():
     if missing:
         raise RuntimeError(f"{_FEATURE} needs PyTorch 2.11 or newer and transformers 5.x, got an installation without "
                            f"{', '.join(missing)}.")
+    if not _FUSED_FORWARDS:
+        _FUSED_FORWARDS.update({getattr(aten, ops.ops[0]).default: ops for ops in _BACKENDS.values()})
     return GradientCheckpointingLayer, ALL_ATTENTION_FUNCTIONS
 
 
@@ -825,6 +886,18 @@ def _let_go(layer_class, attention_functions):
     _replaced_class_attribute = _MISSING
 
 
+def _checkpointing_mode(layer):
+    """How the stash will serve the layer's checkpoint, as far as its checkpoint function tells now."""
+    function = layer.__dict__.get(_CHECKPOINT_FUNCTION)
+    reentrant = getattr(function, "keywords", {}).get("use_reentrant")
+    if not layer.gradient_checkpointing or reentrant is None:
+        return ("checkpointing not enabled yet: reentrant checkpoints will replay the kernel, non-reentrant ones keep "
+                "it by selective checkpointing")
+    if reentrant:
+        return "reentrant checkpointing: the recompute replays the kept output through the kernel's backward"
+    return "non-reentrant checkpointing: selective checkpointing keeps the kernel's outputs for the recompute"
+
+
 class AttentionStashHandle:
     """Returned by ``install_attention_stash``: names the stashed layers, counts what they keep, uninstalls them."""
 
@@ -966,5 +1039,6 @@ def install_attention_stash(model: torch.nn.Module,
         cost = (f"{layer_bytes * num_layers:,} bytes per micro-batch in flight ({layer_bytes:,} per layer at "
                 f"micro-batch {micro_batch_size}, sequence {sequence_length})")
     logger.info(f"{_FEATURE}: keeping the attention output of {num_layers} of {len(layers)} decoder layers "
-                f"({chosen[0][0]} to {chosen[-1][0]}) for their recompute: {cost}.")
+                f"({chosen[0][0]} to {chosen[-1][0]}) for their recompute: {cost}; "
+                f"{_checkpointing_mode(chosen[-1][1])}.")
     return AttentionStashHandle(stashes, counters, layer_class, attention_functions)

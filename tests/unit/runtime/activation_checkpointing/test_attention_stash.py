@@ -360,18 +360,12 @@ def test_rejects_attention_implementation_switched_after_install(install):
         model(input_ids=batch_ids(), labels=batch_ids())
 
 
-@pytest.mark.parametrize("checkpointing", ["none", "non_reentrant"])
-def test_rejects_training_outside_a_reentrant_checkpoint(install, checkpointing):
+def test_rejects_training_outside_a_checkpoint(install):
     model = mixtral_model().train()
-    if checkpointing == "non_reentrant":
-        checkpointed(model, use_reentrant=False)
-        cause = "non-reentrant checkpointing"
-    else:
-        cause = "no activation checkpointing"
     install(model, 1)
     with pytest.raises(RuntimeError,
-                       match=f"reentrant activation checkpointing .* model.layers.2, got {cause}.*"
-                       r"use_reentrant\": True"):
+                       match="needs Hugging Face activation checkpointing for a training forward of model.layers.2, "
+                       r"got no activation checkpointing on it .*activation_checkpointing_enable\(\)"):
         model(input_ids=batch_ids(), labels=batch_ids())
 
 

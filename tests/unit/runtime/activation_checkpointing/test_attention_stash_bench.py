@@ -31,7 +31,8 @@ def test_bench_arms_agree_and_keep_the_formula(bench, tmp_path, capsys):
     result = json.loads(path.read_text())
     arms = {arm["label"]: arm for arm in result["arms"]}
     assert list(arms) == [
-        "plain recompute", "stash 1 layers", "stash 2 layers", "non-reentrant recompute", "selective AC (SDPA)"
+        "plain recompute", "stash 1 layers", "stash 2 layers", "non-reentrant recompute", "stash 2, non-reentrant",
+        "selective AC (SDPA)"
     ]
     # Each arm ran twice from the same weights on the same batches: the CPU losses are bitwise equal.
     assert result["loss_cross_arm"] == 0 and result["loss_repeat_noise"] == 0
@@ -43,6 +44,9 @@ def test_bench_arms_agree_and_keep_the_formula(bench, tmp_path, capsys):
     assert arms["stash 1 layers"]["kept_bytes"] == formula and arms["stash 2 layers"]["kept_bytes"] == 2 * formula
     # Every step of both runs of each stashed arm was served: (1 warm-up + 1 timed) steps x 2 runs x layers.
     assert arms["stash 1 layers"]["recomputes_served"] == 4 and arms["stash 2 layers"]["recomputes_served"] == 8
+    assert arms["stash 2, non-reentrant"]["recomputes_served"] == 8
+    assert arms["stash 2, non-reentrant"]["kept_bytes"] == 2 * formula
+    assert arms["stash 2, non-reentrant"]["baseline"] == "non-reentrant recompute"
     table = capsys.readouterr().out.rsplit("\n\n", 2)
     assert "arms agree" in table[-1] and "selective AC (SDPA)" in table[-2]
 

@@ -281,7 +281,7 @@ def test_checkpointing_enabled_again_and_every_n_layers(install):
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True}, every_n_layers=2)
     with pytest.raises(RuntimeError,
-                       match="needs Hugging Face reentrant activation checkpointing for a training forward of "
+                       match="needs Hugging Face activation checkpointing for a training forward of "
                        "model.layers.1, got no activation checkpointing on it"):
         model(input_ids=ids, labels=ids)
     handle.remove()

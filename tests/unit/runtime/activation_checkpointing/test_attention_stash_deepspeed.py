@@ -66,11 +66,11 @@ def _full_params(engine):
     return params
 
 
-def _train(make_model, config, stashed, steps=3, install_after=False):
+def _train(make_model, config, stashed, steps=3, install_after=False, use_reentrant=True):
     """Train with the stash on the last ``stashed`` layers (none for 0); returns the losses and the parameters."""
     import deepspeed
 
-    model = checkpointed(make_model())
+    model = checkpointed(make_model(), use_reentrant=use_reentrant)
     handle = install_attention_stash(model, stashed) if stashed and not install_after else None
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     if stashed and install_after:
@@ -105,6 +105,18 @@ def test_zero_stages(stage, bf16):
     expected = _train(mixtral_model, config, 0)
     _assert_same_training(_train(mixtral_model, config, NUM_LAYERS), expected)
     # The losses must move, or equal losses would prove nothing about the steps.
+    assert not torch.equal(expected[0][0], expected[0][-1])
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_zero3_with_non_reentrant_checkpointing(bf16):
+    """transformers' default checkpointing, served by selective checkpointing of the attention call, under ZeRO-3
+    (whose hooks gather each layer's parameters in the recompute too)."""
+    config = _config(3, bf16)
+    expected = _train(qwen3_moe_model, config, 0, use_reentrant=False)
+    _assert_same_training(_train(qwen3_moe_model, config, NUM_LAYERS, use_reentrant=False), expected)
+    _assert_same_training(_train(qwen3_moe_model, config, NUM_LAYERS, install_after=True, use_reentrant=False),
+                          expected)
     assert not torch.equal(expected[0][0], expected[0][-1])
 
 
@@ -200,7 +212,10 @@ def test_autoep_two_ranks():
     assert reports[0]["plain_losses"] == reports[1]["plain_losses"]
 
 
-def test_hugging_face_trainer_enables_checkpointing_after_install(tmp_path):
+@pytest.mark.parametrize("reentrant", [True, None], ids=["reentrant", "trainer_default"])
+def test_hugging_face_trainer_enables_checkpointing_after_install(tmp_path, reentrant):
+    """The Trainer enables checkpointing itself, after the install: reentrant, or with its default kwargs
+    (non-reentrant in transformers 5)."""
     from transformers import Trainer, TrainingArguments
 
     class Batches(torch.utils.data.Dataset):
@@ -222,8 +237,10 @@ def test_hugging_face_trainer_enables_checkpointing_after_install(tmp_path):
         handle = install_attention_stash(model, stashed) if stashed else None
         # transformers 5.23 renamed the Trainer's gradient_checkpointing arguments, keeping deprecated aliases.
         prefix = "activation" if "activation_checkpointing" in TrainingArguments.__dataclass_fields__ else "gradient"
-        checkpointing = {f"{prefix}_checkpointing": True, f"{prefix}_checkpointing_kwargs": {"use_reentrant": True}}
-        arguments = TrainingArguments(output_dir=str(tmp_path / str(stashed)),
+        checkpointing = {f"{prefix}_checkpointing": True}
+        if reentrant:
+            checkpointing[f"{prefix}_checkpointing_kwargs"] = {"use_reentrant": True}
+        arguments = TrainingArguments(output_dir=str(tmp_path / f"{stashed}-{reentrant}"),
                                       per_device_train_batch_size=2,
                                       max_steps=steps,
                                       **checkpointing,
@@ -237,6 +254,9 @@ def test_hugging_face_trainer_enables_checkpointing_after_install(tmp_path):
         try:
             with CountOps() as counted:
                 trainer.train()
+            # The checkpointing the Trainer enabled: reentrant as asked, or transformers' non-reentrant default.
+            checkpoint_function = model.model.layers[0].__dict__["_gradient_checkpointing_func"]
+            assert checkpoint_function.keywords["use_reentrant"] is bool(reentrant)
             assert handle is None or (handle.num_kept, handle.recomputes_served) == (0, NUM_LAYERS * steps)
             losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
             return counted.calls[CPU_FORWARD], losses

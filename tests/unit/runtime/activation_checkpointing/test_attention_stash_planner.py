@@ -128,12 +128,19 @@ def test_install_log_line(install):
     try:
         model = checkpointed(mixtral_model())
         install(model, 2)
-        install(checkpointed(mixtral_model()), 1, micro_batch_size=2, sequence_length=32)
+        install(checkpointed(mixtral_model(), use_reentrant=False), 1, micro_batch_size=2, sequence_length=32)
+        install(mixtral_model(), 1)
     finally:
         logger.removeHandler(handler)
         logger.setLevel(previous)
     messages = [record.getMessage() for record in records]
-    assert len(messages) == 2
+    assert len(messages) == 3
+    # The mode each serves in, as far as the enabled checkpointing tells at install.
+    assert messages[0].endswith("; reentrant checkpointing: the recompute replays the kept output through the "
+                                "kernel's backward.")
+    assert messages[1].endswith("; non-reentrant checkpointing: selective checkpointing keeps the kernel's outputs "
+                                "for the recompute.")
+    assert "; checkpointing not enabled yet: reentrant checkpoints will replay" in messages[2]
     assert "keeping the attention output of 2 of 3 decoder layers (model.layers.1 to model.layers.2)" in messages[0]
     assert f"{4 * (16 * 4 + 4):,} bytes per token and layer of each micro-batch in flight" in messages[0]
     per_layer = 2 * 4 * 32 * (16 * 4 + 4)
