@@ -2,12 +2,13 @@
 
 # DeepSpeed Team
 """
-Keep the attention output of Hugging Face decoder layers for their reentrant checkpoint recompute.
+Keep the attention output of Hugging Face decoder layers for their checkpoint recompute.
 
-With per-layer reentrant activation checkpointing, the backward pass runs every decoder layer forward again. For the
-layers it is installed on, the attention stash keeps the first forward's attention output and log-sum-exp and hands
-them to the attention backward, so the recompute skips the attention forward kernel. The memory cost is one attention
-output plus its log-sum-exp per stashed layer, from the layer's forward to its recompute.
+With per-layer activation checkpointing, the backward pass runs every decoder layer forward again. For the layers it
+is installed on, the attention stash keeps the first forward's attention output and log-sum-exp and hands them to the
+attention backward, so the recompute skips the attention forward kernel: replayed by the stash under reentrant
+checkpointing, kept by PyTorch's selective checkpointing under non-reentrant checkpointing. The memory cost is one
+attention output plus its log-sum-exp per stashed layer, from the layer's forward to its recompute.
 
 transformers is imported lazily, by ``install_attention_stash``.
 """
@@ -31,7 +32,7 @@ aten = torch.ops.aten
 _FEATURE = "attention stash"
 # The builtin that Hugging Face's sdpa function calls.
 _SDPA = F.scaled_dot_product_attention
-# PyTorch entry points beyond the public API; the installer checks them, with the aten ops of the backend table.
+# PyTorch entry points beyond the public API; the installer checks them, with the kernels of the backend table.
 _TORCH_ENTRY_POINTS = ("_fused_sdp_choice", "_C._current_graph_task_id",
                        "_C._dynamo.eval_frame.get_eval_frame_callback")
 # The attribute in which Hugging Face keeps a decoder layer's checkpoint function, read at every checkpointed call.
@@ -40,9 +41,9 @@ _CHECKPOINTING_HINT = ("model.activation_checkpointing_enable() (gradient_checkp
                        "5.22), reentrant or not")
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Per-backend op table. Each entry runs the aten forward that F.scaled_dot_product_attention dispatches to for the
-# backend, with the log-sum-exp, and calls the matching backward with exactly the arguments of the forward's entry in
-# PyTorch's derivatives.yaml. The forward returns (output, saved tensors, saved scalars).
+# Per-backend op table. Each entry prepares a mask as F.scaled_dot_product_attention does for the backend, runs the
+# aten forward that F.sdpa dispatches to, with the log-sum-exp, and calls the matching backward with exactly the
+# arguments of the forward's entry in PyTorch's derivatives.yaml. The forward returns (output, saved tensors, scalars).
 # ---------------------------------------------------------------------------------------------------------------------
 
 
@@ -957,15 +958,16 @@ def install_attention_stash(model: torch.nn.Module,
                             micro_batch_size: int = None,
                             sequence_length: int = None,
                             micro_batches_in_flight: int = 1) -> AttentionStashHandle:
-    """Keep the attention output of the last ``num_layers`` decoder layers for their reentrant checkpoint recompute.
+    """Keep the attention output of the last ``num_layers`` decoder layers for their checkpoint recompute.
 
-    ``model`` is a Hugging Face model loaded with ``attn_implementation="sdpa"`` and trained with per-layer reentrant
-    checkpointing (``activation_checkpointing_kwargs={"use_reentrant": True}``), with or without AutoEP. The stash
-    takes hold of each stashed layer's checkpoint function, so it runs inside each checkpointed call of the layer. Its
-    first pass calls the aten kernel that ``F.scaled_dot_product_attention`` would run and keeps its outputs (one
-    attention output plus its log-sum-exp); the recompute returns them from an autograd node whose backward is that
-    kernel's backward, so it skips the attention forward. What a call keeps lives with its checkpoint's graph: it is
-    released when the recompute takes it, or when the graph is freed without a backward.
+    ``model`` is a Hugging Face model loaded with ``attn_implementation="sdpa"`` and trained with per-layer activation
+    checkpointing, with or without AutoEP. The stash takes hold of each stashed layer's checkpoint function, so it runs
+    inside each checkpointed call of the layer. Under reentrant checkpointing (the faster mode here), its first pass
+    calls the aten kernel that ``F.scaled_dot_product_attention`` would run and keeps its outputs (one attention output
+    plus its log-sum-exp); the recompute returns them from an autograd node whose backward is that kernel's backward,
+    so it skips the attention forward. Under non-reentrant checkpointing (transformers' default), PyTorch's selective
+    checkpointing keeps the kernel's outputs around the attention call. What a call keeps lives with its checkpoint's
+    graph: it is released when the recompute takes it, or when the graph is freed without a backward.
 
     Instead of ``num_layers``, pass ``memory_budget`` in bytes with ``micro_batch_size`` and ``sequence_length`` (and
     ``micro_batches_in_flight`` where a schedule keeps several): the stash then takes the most layers whose kept
@@ -973,9 +975,9 @@ def install_attention_stash(model: torch.nn.Module,
     the install log line states the exact cost.
 
     Forwards without a backward (``torch.no_grad()``, eval mode, generation) run stock sdpa and keep nothing. What the
-    stash cannot serve raises instead of falling back: an attention mask or dropout, a training forward outside a
-    reentrant checkpoint or under ``torch.compile``, an SDPA backend without an exact replay, a second install on a
-    layer, a second backward through a retained graph.
+    stash cannot serve raises instead of falling back: attention dropout, a training forward outside a checkpoint or
+    under ``torch.compile``, an SDPA backend without an exact replay, a second install on a layer, a second backward
+    through a retained graph.
 
     Returns an ``AttentionStashHandle``; its ``remove()`` uninstalls the stash.
     """
