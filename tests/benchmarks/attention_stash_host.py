@@ -11,7 +11,8 @@ the backward. A partly stashed model shows what its unstashed layers pay: they m
 are the thread's CPU time (time.thread_time), which a descheduled process does not accumulate; the quartiles of the
 paired differences are the noise, and a median outside them is not a result.
 
-    python tests/benchmarks/attention_stash_host.py            # 200 pairs, about a minute
+    python tests/benchmarks/attention_stash_host.py                          # 200 pairs, about half a minute
+    python tests/benchmarks/attention_stash_host.py --mode non-reentrant     # transformers' default checkpointing
 """
 
 import argparse
@@ -68,7 +69,7 @@ class _PassTimer:
         return first, recompute
 
 
-def _model(stashed):
+def _model(stashed, reentrant):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from deepspeed.runtime.activation_checkpointing.attention_stash import install_attention_stash
@@ -85,9 +86,9 @@ def _model(stashed):
                     attn_implementation="sdpa"))
     # transformers 5.23 renamed gradient_checkpointing_enable, keeping the old name as a deprecated alias.
     if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
     else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     model.train()
     handle = install_attention_stash(model, stashed) if stashed else None
     return model, handle, _PassTimer(model)
@@ -130,15 +131,20 @@ def main(argv=None):
     parser.add_argument("--pairs", type=int, default=200, help="paired steps per comparison")
     parser.add_argument("--warmup", type=int, default=20, help="untimed steps of each model first")
     parser.add_argument("--target", type=float, default=100.0, help="microseconds per stashed layer and step")
+    parser.add_argument("--mode",
+                        choices=["reentrant", "non-reentrant"],
+                        default="reentrant",
+                        help="the checkpointing of both models, plain and stashed")
     args = parser.parse_args(argv)
     _init()
     torch.set_num_threads(1)
     import transformers
 
     ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(0))
-    plain = _model(0)[::2]
-    full_model, full_handle, full_timer = _model(LAYERS)
-    half_model, half_handle, half_timer = _model(LAYERS // 2)
+    reentrant = args.mode == "reentrant"
+    plain = _model(0, reentrant)[::2]
+    full_model, full_handle, full_timer = _model(LAYERS, reentrant)
+    half_model, half_handle, half_timer = _model(LAYERS // 2, reentrant)
     full, half = (full_model, full_timer), (half_model, half_timer)
     for _ in range(args.warmup):
         for model in (plain, full, half):
@@ -155,9 +161,10 @@ def main(argv=None):
         sys.exit(f"attention_stash_host needs every recompute served, got {full_handle.recomputes_served} and "
                  f"{half_handle.recomputes_served} of {expected}.")
 
-    print(f"attention stash host cost: Llama {LAYERS} layers, hidden 32, sequence 8, one thread, {args.pairs} paired "
-          f"steps; torch {torch.__version__}, transformers {transformers.__version__}; plain reentrant step "
-          f"{plain_step:,.0f} us ({plain_step / LAYERS:,.0f} us per layer)")
+    print(
+        f"attention stash host cost: Llama {LAYERS} layers, hidden 32, sequence 8, one thread, {args.pairs} paired "
+        f"steps, {args.mode} checkpointing; torch {torch.__version__}, transformers {transformers.__version__}; "
+        f"plain step {plain_step:,.0f} us ({plain_step / LAYERS:,.0f} us per layer)")
     header = f"{'microseconds per stashed layer and step':<44}{'median':>10}{'quartiles':>22}"
     print(header)
     print("-" * len(header))
