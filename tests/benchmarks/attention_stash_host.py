@@ -161,10 +161,9 @@ def main(argv=None):
         sys.exit(f"attention_stash_host needs every recompute served, got {full_handle.recomputes_served} and "
                  f"{half_handle.recomputes_served} of {expected}.")
 
-    print(
-        f"attention stash host cost: Llama {LAYERS} layers, hidden 32, sequence 8, one thread, {args.pairs} paired "
-        f"steps, {args.mode} checkpointing; torch {torch.__version__}, transformers {transformers.__version__}; "
-        f"plain step {plain_step:,.0f} us ({plain_step / LAYERS:,.0f} us per layer)")
+    print(f"attention stash host cost: Llama {LAYERS} layers, hidden 32, sequence 8, one thread, {args.pairs} paired "
+          f"steps, {args.mode} checkpointing; torch {torch.__version__}, transformers {transformers.__version__}; "
+          f"plain step {plain_step:,.0f} us ({plain_step / LAYERS:,.0f} us per layer)")
     header = f"{'microseconds per stashed layer and step':<44}{'median':>10}{'quartiles':>22}"
     print(header)
     print("-" * len(header))

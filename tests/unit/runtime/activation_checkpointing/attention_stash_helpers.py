@@ -8,71 +8,48 @@ from collections import Counter
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig,
                           MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 NUM_LAYERS = 3
+STOCK_SDPA = ALL_ATTENTION_FUNCTIONS["sdpa"]
 CPU_FORWARD = "_scaled_dot_product_flash_attention_for_cpu.default"
 CPU_BACKWARD = "_scaled_dot_product_flash_attention_for_cpu_backward.default"
 
+# Every tiny model: 3 layers, hidden 64, 4 query heads and 2 key/value heads of dimension 16, in sdpa.
+_TINY = dict(vocab_size=128,
+             hidden_size=64,
+             intermediate_size=64,
+             num_hidden_layers=NUM_LAYERS,
+             num_attention_heads=4,
+             num_key_value_heads=2,
+             max_position_embeddings=64,
+             attn_implementation="sdpa")
+
+
+def _tiny(model_class, config_class, dtype, defaults, overrides):
+    torch.manual_seed(0)
+    return model_class(config_class(**{**_TINY, **defaults, **overrides})).to(dtype)
+
 
 def mixtral_model(dtype=torch.float32, **overrides):
-    config = dict(vocab_size=128,
-                  hidden_size=64,
-                  intermediate_size=64,
-                  num_hidden_layers=NUM_LAYERS,
-                  num_attention_heads=4,
-                  num_key_value_heads=2,
-                  num_local_experts=4,
-                  num_experts_per_tok=2,
-                  max_position_embeddings=64,
-                  attn_implementation="sdpa")
-    torch.manual_seed(0)
-    return MixtralForCausalLM(MixtralConfig(**{**config, **overrides})).to(dtype)
+    return _tiny(MixtralForCausalLM, MixtralConfig, dtype, dict(num_local_experts=4, num_experts_per_tok=2), overrides)
 
 
 def qwen3_moe_model(dtype=torch.float32, **overrides):
     # Qwen3-MoE adds norms of the queries and keys before RoPE.
-    config = dict(vocab_size=128,
-                  hidden_size=64,
-                  intermediate_size=64,
-                  moe_intermediate_size=32,
-                  num_hidden_layers=NUM_LAYERS,
-                  num_attention_heads=4,
-                  num_key_value_heads=2,
-                  head_dim=16,
-                  num_experts=4,
-                  num_experts_per_tok=2,
-                  max_position_embeddings=64,
-                  attn_implementation="sdpa")
-    torch.manual_seed(0)
-    return Qwen3MoeForCausalLM(Qwen3MoeConfig(**{**config, **overrides})).to(dtype)
+    defaults = dict(moe_intermediate_size=32, head_dim=16, num_experts=4, num_experts_per_tok=2)
+    return _tiny(Qwen3MoeForCausalLM, Qwen3MoeConfig, dtype, defaults, overrides)
 
 
 def llama_model(dtype=torch.float32, **overrides):
-    config = dict(vocab_size=128,
-                  hidden_size=64,
-                  intermediate_size=64,
-                  num_hidden_layers=NUM_LAYERS,
-                  num_attention_heads=4,
-                  num_key_value_heads=2,
-                  max_position_embeddings=64,
-                  attn_implementation="sdpa")
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(**{**config, **overrides})).to(dtype)
+    return _tiny(LlamaForCausalLM, LlamaConfig, dtype, {}, overrides)
 
 
 def mistral_model(dtype=torch.float32, **overrides):
-    config = dict(vocab_size=128,
-                  hidden_size=64,
-                  intermediate_size=64,
-                  num_hidden_layers=NUM_LAYERS,
-                  num_attention_heads=4,
-                  num_key_value_heads=2,
-                  max_position_embeddings=64,
-                  attn_implementation="sdpa")
-    torch.manual_seed(0)
-    return MistralForCausalLM(MistralConfig(**{**config, **overrides})).to(dtype)
+    return _tiny(MistralForCausalLM, MistralConfig, dtype, {}, overrides)
 
 
 MODELS = {"mixtral": mixtral_model, "qwen3_moe": qwen3_moe_model}
@@ -114,6 +91,15 @@ def stashed_train_step(model, handle, ids):
     return loss.detach(), param_grads(model)
 
 
+def counted_step(model, **inputs):
+    """A training step on ``inputs``: its loss, the parameters' gradients, and the aten calls of its backward."""
+    model.zero_grad(set_to_none=True)
+    loss = model(**inputs).loss
+    with CountOps() as backward:
+        loss.backward()
+    return loss.detach(), param_grads(model), backward.calls
+
+
 def assert_same_grads(grads, expected):
     assert grads.keys() == expected.keys()
     for name, grad in grads.items():
@@ -146,3 +132,12 @@ def live_checkpoint_calls():
 def kept_outputs():
     """The attention outputs kept now, across all stashes."""
     return [call.kept[1] for call in live_checkpoint_calls() if call.kept is not None]
+
+
+def assert_stock_process():
+    """Nothing of the stash is left in the process: the sdpa entry and the layer class are transformers' own."""
+    from deepspeed.runtime.activation_checkpointing import attention_stash
+
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is STOCK_SDPA
+    assert "_gradient_checkpointing_func" not in GradientCheckpointingLayer.__dict__
+    assert not attention_stash._STASHES and attention_stash._original_sdpa is None

@@ -15,7 +15,6 @@ import pytest
 import torch
 import transformers
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from deepspeed.runtime.activation_checkpointing import attention_stash
@@ -24,23 +23,6 @@ from deepspeed.runtime.activation_checkpointing.attention_stash import install_a
 from attention_stash_helpers import (CPU_BACKWARD, CPU_FORWARD, MODELS, NUM_LAYERS, CountOps, assert_same_grads,
                                      batch_ids, checkpointed, kept_outputs, mixtral_model, param_grads,
                                      qwen3_moe_model, stashed_train_step, train_step)
-
-
-@pytest.fixture
-def install():
-    """install_attention_stash that removes what a test left installed."""
-    handles = []
-
-    def _install(model, num_layers):
-        handle = install_attention_stash(model, num_layers)
-        handles.append(handle)
-        return handle
-
-    yield _install
-    for handle in handles:
-        handle.remove()
-    assert not attention_stash._STASHES and attention_stash._original_sdpa is None
-    assert "_gradient_checkpointing_func" not in GradientCheckpointingLayer.__dict__
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -163,7 +145,8 @@ def test_each_recompute_takes_its_own_output(install):
     assert_same_grads(got[3], expected[3])
 
 
-def test_backwards_in_an_order_neither_forward_nor_reverse(install):
+@pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non_reentrant"])
+def test_backwards_in_an_order_neither_forward_nor_reverse(install, use_reentrant):
     """Three forwards, then their backwards in the order 1, 0, 2: a store that served first-in-first-out or
     last-in-first-out would hand the first backward another forward's outputs."""
 
@@ -176,7 +159,7 @@ def test_backwards_in_an_order_neither_forward_nor_reverse(install):
             grads.append(param_grads(model))
         return [loss.detach() for loss in losses], grads
 
-    model = checkpointed(qwen3_moe_model())
+    model = checkpointed(qwen3_moe_model(), use_reentrant=use_reentrant)
     expected_losses, expected_grads = schedule(model)
     handle = install(model, NUM_LAYERS)
     losses, grads = schedule(model)

@@ -19,38 +19,13 @@ import pytest
 import torch
 import transformers
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from deepspeed.runtime.activation_checkpointing import attention_stash
 from deepspeed.runtime.activation_checkpointing.attention_stash import install_attention_stash
 
-from attention_stash_helpers import (CPU_FORWARD, NUM_LAYERS, CountOps, assert_same_grads, batch_ids, checkpointed,
-                                     live_checkpoint_calls, mixtral_model, param_grads, qwen3_moe_model,
-                                     stashed_train_step, train_step)
-
-STOCK_SDPA = ALL_ATTENTION_FUNCTIONS["sdpa"]
-
-
-def _assert_stock_process():
-    """Nothing of the stash is left in the process: the sdpa entry and the layer class are transformers' own."""
-    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is STOCK_SDPA
-    assert "_gradient_checkpointing_func" not in GradientCheckpointingLayer.__dict__
-    assert not attention_stash._STASHES and attention_stash._original_sdpa is None
-
-
-@pytest.fixture
-def install():
-    handles = []
-
-    def _install(model, num_layers):
-        handle = install_attention_stash(model, num_layers)
-        handles.append(handle)
-        return handle
-
-    yield _install
-    for handle in handles:
-        handle.remove()
-    _assert_stock_process()
+from attention_stash_helpers import (CPU_FORWARD, NUM_LAYERS, CountOps, assert_same_grads, assert_stock_process,
+                                     batch_ids, checkpointed, live_checkpoint_calls, mixtral_model, param_grads,
+                                     qwen3_moe_model, stashed_train_step, train_step)
 
 
 def _counts(handle):
@@ -197,7 +172,7 @@ def test_install_and_remove_from_many_threads(monkeypatch):
         worker.join()
     assert not errors, errors
     assert served == [NUM_LAYERS] * (threads * rounds)
-    _assert_stock_process()
+    assert_stock_process()
     loss, grads = train_step(models[0], ids)  # stock training afterwards
     assert torch.equal(loss, expected_loss)
 
@@ -301,7 +276,7 @@ def test_remove_between_forward_and_backward(install):
     model.zero_grad(set_to_none=True)
     loss = model(input_ids=ids, labels=ids).loss
     handle.remove()
-    _assert_stock_process()
+    assert_stock_process()
     with CountOps() as counted:
         loss.backward()
     assert counted.calls[CPU_FORWARD] == NUM_LAYERS
@@ -320,7 +295,7 @@ def test_rejects_a_layer_class_that_shadows_the_checkpoint_function(monkeypatch)
                        f"GradientCheckpointingLayer does, got a class attribute _gradient_checkpointing_func on "
                        f"{layer_class.__name__}"):
         install_attention_stash(model, 1)
-    _assert_stock_process()
+    assert_stock_process()
 
 
 def test_soak_dropped_forwards_validation_and_generation(install):

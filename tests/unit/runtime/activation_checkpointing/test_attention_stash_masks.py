@@ -13,45 +13,21 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from deepspeed.runtime.activation_checkpointing import attention_stash
-from deepspeed.runtime.activation_checkpointing.attention_stash import install_attention_stash
 
-from attention_stash_helpers import (CPU_BACKWARD, CPU_FORWARD, NUM_LAYERS, CountOps, assert_same_grads, batch_ids,
-                                     checkpointed, llama_model, mistral_model, param_grads, qwen3_moe_model)
+from attention_stash_helpers import (CPU_BACKWARD, CPU_FORWARD, NUM_LAYERS, assert_same_grads, batch_ids, checkpointed,
+                                     counted_step, llama_model, mistral_model, qwen3_moe_model)
 
 SEQUENCE = 32
-
-
-@pytest.fixture
-def install():
-    handles = []
-
-    def _install(model, num_layers):
-        handle = install_attention_stash(model, num_layers)
-        handles.append(handle)
-        return handle
-
-    yield _install
-    for handle in handles:
-        handle.remove()
-    assert not attention_stash._STASHES
-
-
-def _step(model, **inputs):
-    model.zero_grad(set_to_none=True)
-    loss = model(**inputs).loss
-    with CountOps() as backward:
-        loss.backward()
-    return loss.detach(), param_grads(model), backward.calls
 
 
 def _assert_served_exactly(make_model, num_layers=NUM_LAYERS, install=None, **inputs):
     """The stashed step equals the plain one bitwise; the recompute ran the attention forward only in the layers
     without a stash, and every stashed layer's recompute was served."""
     model = checkpointed(make_model())
-    expected_loss, expected, plain_calls = _step(model, **inputs)
+    expected_loss, expected, plain_calls = counted_step(model, **inputs)
     assert plain_calls[CPU_FORWARD] == NUM_LAYERS  # the masked calls run the fused CPU kernel, here as in F.sdpa
     handle = install(model, num_layers)
-    loss, grads, calls = _step(model, **inputs)
+    loss, grads, calls = counted_step(model, **inputs)
     assert handle.recomputes_served == num_layers and handle.num_kept == 0
     assert calls[CPU_FORWARD] == NUM_LAYERS - num_layers and calls[CPU_BACKWARD] == NUM_LAYERS
     assert not torch.isnan(loss)

@@ -14,38 +14,14 @@ import pytest
 import torch
 
 from deepspeed.runtime.activation_checkpointing import attention_stash
-from deepspeed.runtime.activation_checkpointing.attention_stash import install_attention_stash
 
 from attention_stash_helpers import (CPU_BACKWARD, CPU_FORWARD, MODELS, NUM_LAYERS, CountOps, assert_same_grads,
-                                     batch_ids, checkpointed, live_checkpoint_calls, llama_model, mixtral_model,
-                                     param_grads, qwen3_moe_model)
-
-
-@pytest.fixture
-def install():
-    handles = []
-
-    def _install(model, num_layers):
-        handle = install_attention_stash(model, num_layers)
-        handles.append(handle)
-        return handle
-
-    yield _install
-    for handle in handles:
-        handle.remove()
-    assert not attention_stash._STASHES
+                                     batch_ids, checkpointed, counted_step, live_checkpoint_calls, llama_model,
+                                     mixtral_model, param_grads, qwen3_moe_model)
 
 
 def _non_reentrant(model):
     return checkpointed(model, use_reentrant=False)
-
-
-def _step(model, **inputs):
-    model.zero_grad(set_to_none=True)
-    loss = model(**inputs).loss
-    with CountOps() as backward:
-        loss.backward()
-    return loss.detach(), param_grads(model), backward.calls
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -55,7 +31,7 @@ def test_matches_plain_non_reentrant_checkpointing(install, model_name, num_laye
     make_model = {**MODELS, "llama": llama_model}[model_name]
     model = _non_reentrant(make_model(dtype))
     ids = batch_ids()
-    expected_loss, expected, calls = _step(model, input_ids=ids, labels=ids)
+    expected_loss, expected, calls = counted_step(model, input_ids=ids, labels=ids)
     assert calls[CPU_FORWARD] == NUM_LAYERS
     handle = install(model, num_layers)
     model.zero_grad(set_to_none=True)
@@ -78,33 +54,12 @@ def test_padded_batch(install):
     mask = torch.ones_like(ids)
     mask[0, :9] = 0
     inputs = dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
-    expected_loss, expected, _ = _step(model, **inputs)
+    expected_loss, expected, _ = counted_step(model, **inputs)
     handle = install(model, NUM_LAYERS)
-    loss, grads, calls = _step(model, **inputs)
+    loss, grads, calls = counted_step(model, **inputs)
     assert calls[CPU_FORWARD] == 0 and handle.recomputes_served == NUM_LAYERS
     assert torch.equal(loss, expected_loss)
     assert_same_grads(grads, expected)
-
-
-def test_backwards_in_an_order_neither_forward_nor_reverse(install):
-
-    def schedule(model):
-        model.zero_grad(set_to_none=True)
-        losses = [model(input_ids=batch_ids(seed=seed), labels=batch_ids(seed=seed)).loss for seed in range(3)]
-        grads = []
-        for index in (1, 0, 2):
-            losses[index].backward()
-            grads.append(param_grads(model))
-        return [loss.detach() for loss in losses], grads
-
-    model = _non_reentrant(qwen3_moe_model())
-    expected_losses, expected_grads = schedule(model)
-    handle = install(model, NUM_LAYERS)
-    losses, grads = schedule(model)
-    assert handle.recomputes_served == 3 * NUM_LAYERS and handle.num_kept == 0
-    assert all(torch.equal(loss, expected) for loss, expected in zip(losses, expected_losses))
-    for got, expected in zip(grads, expected_grads):
-        assert_same_grads(got, expected)
 
 
 def test_dropped_no_grad_and_eval_forwards(install):
@@ -128,11 +83,11 @@ def test_dropped_no_grad_and_eval_forwards(install):
 
 def test_checkpointing_enabled_after_install(install):
     ids = batch_ids()
-    expected_loss, expected, _ = _step(_non_reentrant(qwen3_moe_model()), input_ids=ids, labels=ids)
+    expected_loss, expected, _ = counted_step(_non_reentrant(qwen3_moe_model()), input_ids=ids, labels=ids)
     model = qwen3_moe_model().train()
     handle = install(model, NUM_LAYERS)
     _non_reentrant(model)
-    loss, grads, calls = _step(model, input_ids=ids, labels=ids)
+    loss, grads, calls = counted_step(model, input_ids=ids, labels=ids)
     assert calls[CPU_FORWARD] == 0 and handle.recomputes_served == NUM_LAYERS
     assert torch.equal(loss, expected_loss)
     assert_same_grads(grads, expected)

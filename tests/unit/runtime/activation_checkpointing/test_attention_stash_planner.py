@@ -19,20 +19,6 @@ from deepspeed.utils import logger
 from attention_stash_helpers import NUM_LAYERS, batch_ids, checkpointed, mixtral_model, qwen3_moe_model
 
 
-@pytest.fixture
-def install():
-    handles = []
-
-    def _install(model, *args, **kwargs):
-        handle = install_attention_stash(model, *args, **kwargs)
-        handles.append(handle)
-        return handle
-
-    yield _install
-    for handle in handles:
-        handle.remove()
-
-
 def _forward(model, batch, sequence, seed=1):
     ids = batch_ids(seed=seed, batch=batch, sequence=sequence)
     return model(input_ids=ids, labels=ids).loss
