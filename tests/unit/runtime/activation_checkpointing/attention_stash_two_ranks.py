@@ -3,7 +3,8 @@
 # DeepSpeed Team
 """Run by test_attention_stash_deepspeed.py under torchrun with two ranks: AutoEP with autoep_size=2 over gloo.
 
-Each rank trains the same tiny Mixtral with and without the stash and prints one line, ``RESULT {json}``.
+Each rank trains the same tiny Mixtral with and without the stash and writes its report as JSON to
+``rank<N>.json`` in the folder given as the first argument (not to stdout, where the ranks' lines can interleave).
 """
 
 import json
@@ -62,7 +63,8 @@ def main():
     report = {"rank": int(os.environ["RANK"])}
     report["plain_losses"] = train(0, report)
     report["stashed_losses"] = train(NUM_LAYERS, report)
-    print("RESULT " + json.dumps(report), flush=True)
+    with open(os.path.join(sys.argv[1], f"rank{report['rank']}.json"), "w") as file:
+        json.dump(report, file)
     torch.distributed.barrier()
 
 

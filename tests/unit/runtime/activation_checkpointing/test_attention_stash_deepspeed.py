@@ -187,7 +187,7 @@ def test_autoep_before_or_after_initialize(model_name):
 
 
 @requires_autoep
-def test_autoep_two_ranks():
+def test_autoep_two_ranks(tmp_path):
     """autoep_size=2 over gloo: the expert all-to-all runs inside each recompute."""
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "attention_stash_two_ranks.py")
     environment = {
@@ -195,14 +195,16 @@ def test_autoep_two_ranks():
         for name, value in os.environ.items()
         if name not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     }
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29561", script],
-        env=environment,
-        capture_output=True,
-        text=True,
-        timeout=600)
+    result = subprocess.run([
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29561", script,
+        str(tmp_path)
+    ],
+                            env=environment,
+                            capture_output=True,
+                            text=True,
+                            timeout=600)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    reports = [json.loads(line.split(" ", 1)[1]) for line in result.stdout.splitlines() if line.startswith("RESULT ")]
+    reports = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
     assert sorted(report["rank"] for report in reports) == [0, 1]
     for report in reports:
         assert report["stashed_losses"] == report["plain_losses"], report
