@@ -448,8 +448,13 @@ class _CheckpointCall:
             query, key, value = (t.to(dtype) if t.dtype != torch.float64 else t for t in (query, key, value))
         choice = _training_choice(query, key, value, attn_mask, is_causal, scale, enable_gqa)
         ops = _ops_for(device_type, choice)
+        if self.passes > 1 and (self.kept is None or self.kept[0] is not ops):
+            raise RuntimeError(f"{_FEATURE} needs one SDPA backend for both passes of {self.stash.name}, got "
+                               f"{self.kept[0].name if self.kept else 'none'} in the forward and {ops.name} in the "
+                               f"recompute. Keep sdpa_kernel contexts and deterministic-algorithm settings the same "
+                               f"for a forward and its backward.")
         if self.selective is not None:
-            return self._selective_sdpa(ops, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+            return self._selective_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         bias = None
         if attn_mask is not None:
             bias = ops.prepare_mask(attn_mask, query, key, value)
@@ -466,18 +471,12 @@ class _CheckpointCall:
             self.kept = (ops, out, tensors, scalars)
             self.stash.counters.add(self, _storage_bytes((out, *tensors)))
         else:
-            kept = self.kept
-            if kept[0] is not ops:
-                raise RuntimeError(f"{_FEATURE} needs one SDPA backend for both passes of {self.stash.name}, got "
-                                   f"{kept[0].name} in the forward and {ops.name} in the recompute. Keep sdpa_kernel "
-                                   f"contexts and deterministic-algorithm settings the same for a forward and its "
-                                   f"backward.")
-            self.kept = None
+            kept, self.kept = self.kept, None
             self.stash.counters.served(self)
             out = _StashedAttention.apply(query, key, value, bias, kept, is_causal, scale)
         return out[..., :head_dim] if padded else out
 
-    def _selective_sdpa(self, ops, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    def _selective_sdpa(self, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
         """F.sdpa itself, under selective checkpointing's caching mode in the first pass and its cached mode in the
         recompute, entered around this one call: the kernel's outputs are kept below autograd, whose recomputed node
         saves them as the first pass's did, as a non-reentrant checkpoint requires."""
@@ -485,12 +484,6 @@ class _CheckpointCall:
             with self.selective[0]:
                 out = _SDPA(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
             return out
-        kept = self.kept
-        if kept is None or kept[0] is not ops:
-            raise RuntimeError(f"{_FEATURE} needs one SDPA backend for both passes of {self.stash.name}, got "
-                               f"{kept[0].name if kept else 'none'} in the forward and {ops.name} in the recompute. "
-                               f"Keep sdpa_kernel contexts and deterministic-algorithm settings the same for a "
-                               f"forward and its backward.")
         with self.selective[1]:
             out = _SDPA(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
         self.kept = None
@@ -589,15 +582,14 @@ class _LayerStash:
                 f"these layers.")
         return checkpoint_function(_CheckpointCall(self, function), *args, **kwargs)
 
-    def raise_outside_checkpoint(self, cause=None):
-        if cause is None:
-            if torch._C._current_graph_task_id() != -1:
-                raise RuntimeError(f"{_FEATURE} needs a kept attention output for the recompute of {self.name}, got "
-                                   f"a recompute of a forward that ran before the install. Install the stash before "
-                                   f"the forward, not between a forward and its backward.")
-            cause = "no activation checkpointing on it (none enabled, or every_n_layers leaves it out)"
+    def raise_outside_checkpoint(self):
+        if torch._C._current_graph_task_id() != -1:
+            raise RuntimeError(f"{_FEATURE} needs a kept attention output for the recompute of {self.name}, got a "
+                               f"recompute of a forward that ran before the install. Install the stash before the "
+                               f"forward, not between a forward and its backward.")
         raise RuntimeError(f"{_FEATURE} needs Hugging Face activation checkpointing for a training forward of "
-                           f"{self.name}, got {cause}. Call {_CHECKPOINTING_HINT}, or put the model in eval mode or "
+                           f"{self.name}, got no activation checkpointing on it (none enabled, or every_n_layers "
+                           f"leaves it out). Call {_CHECKPOINTING_HINT}, or put the model in eval mode or "
                            f"torch.no_grad() for forwards without a backward.")
 
 

@@ -382,12 +382,13 @@ def test_rejects_other_sdpa_backend_choice(install):
         model(input_ids=batch_ids(), labels=batch_ids())
 
 
-def test_rejects_backend_change_between_passes(install, monkeypatch):
+@pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non_reentrant"])
+def test_rejects_backend_change_between_passes(install, monkeypatch, use_reentrant):
 
     class OtherCpuOps(attention_stash._CpuFlashOps):
         name = "another CPU kernel"
 
-    model = checkpointed(mixtral_model())
+    model = checkpointed(mixtral_model(), use_reentrant=use_reentrant)
     install(model, 1)
     loss = model(input_ids=batch_ids(), labels=batch_ids()).loss
     monkeypatch.setitem(attention_stash._BACKENDS, ("cpu", SDPBackend.FLASH_ATTENTION.value), OtherCpuOps)
