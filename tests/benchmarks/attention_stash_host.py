@@ -13,6 +13,11 @@ paired differences are the noise, and a median outside them is not a result.
 
     python tests/benchmarks/attention_stash_host.py                          # 200 pairs, about half a minute
     python tests/benchmarks/attention_stash_host.py --mode non-reentrant     # transformers' default checkpointing
+    python tests/benchmarks/attention_stash_host.py --profile 50             # and where the attention's time goes
+
+``--profile`` adds a torch.profiler table of the attention's own work in each pass, per layer and step, for the plain
+and the fully stashed model: F.sdpa and its kernel in the forward passes, the stash's kernel call and its recompute
+node, and each model's attention node in the backward. The profiler's own cost is in those figures.
 """
 
 import argparse
@@ -109,6 +114,50 @@ def _step(model, timer, ids):
     }
 
 
+def _attention_part(name):
+    """Which part of the attention's work a profiler event is, by its name; None for any other event."""
+    from deepspeed.runtime.activation_checkpointing import attention_stash
+
+    backends = set(attention_stash._BACKENDS.values())
+    if name == "aten::scaled_dot_product_attention":
+        return "F.sdpa (forward passes)"
+    if name in {f"aten::{ops.ops[0]}" for ops in backends}:
+        return "fused forward kernel"
+    if name in {ops.__name__ for ops in backends}:
+        return "stash's recompute node"
+    if name in {f"aten::{ops.ops[1]}" for ops in backends}:
+        return "fused backward kernel"
+    node = name.partition("autograd::engine::evaluate_function: ")[2]
+    if node.startswith("ScaledDotProduct") or node in {f"{ops.__name__}Backward" for ops in backends}:
+        return "attention node in the backward"
+    return None
+
+
+def _profile(models, ids, steps):
+    """Calls and microseconds per layer and step of each part of the attention's work, from torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    table = {}
+    for name, model in models:
+        with profile(activities=[ProfilerActivity.CPU]) as profiler:
+            for _ in range(steps):
+                _step(*model, ids)
+        for event in profiler.key_averages():
+            part = _attention_part(event.key)
+            if part is not None:
+                table.setdefault(part,
+                                 {})[name] = (event.count / steps / LAYERS, event.cpu_time_total / steps / LAYERS)
+    print(f"\nattention's own work per layer and step, torch.profiler over {steps} steps (its overhead included): "
+          f"calls, microseconds (inclusive)")
+    header = f"{'':<34}" + "".join(f"{name:>26}" for name, _ in models)
+    print(header)
+    print("-" * len(header))
+    for part, cells in table.items():
+        row = "".join(f"{f'{cells[name][0]:.0f} x, {cells[name][1]:.1f}' if name in cells else '-':>26}"
+                      for name, _ in models)
+        print(f"{part:<34}{row}")
+
+
 def _paired(plain, other, ids, pairs):
     """Median and quartiles of (other - plain) per part of the step, in microseconds, over alternating pairs."""
     differences = {}
@@ -131,6 +180,11 @@ def main(argv=None):
     parser.add_argument("--pairs", type=int, default=200, help="paired steps per comparison")
     parser.add_argument("--warmup", type=int, default=20, help="untimed steps of each model first")
     parser.add_argument("--target", type=float, default=100.0, help="microseconds per stashed layer and step")
+    parser.add_argument("--profile",
+                        type=int,
+                        default=0,
+                        metavar="STEPS",
+                        help="also profile this many steps of the plain and the fully stashed model")
     parser.add_argument("--mode",
                         choices=["reentrant", "non-reentrant"],
                         default="reentrant",
@@ -180,6 +234,8 @@ def main(argv=None):
     cost = full_cost["step"][0] / LAYERS
     print(f"host cost of the stash: {cost:.0f} us per stashed layer and step, "
           f"{'within' if cost <= args.target else 'over'} the {args.target:.0f} us target")
+    if args.profile:
+        _profile([("plain", plain), (f"all {LAYERS} stashed", full)], ids, args.profile)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,8 @@ _FEATURE = "attention stash"
 # The builtin that Hugging Face's sdpa function calls.
 _SDPA = F.scaled_dot_product_attention
 # PyTorch entry points beyond the public API; the installer checks them, with the kernels of the backend table.
-_TORCH_ENTRY_POINTS = ("_fused_sdp_choice", "_C._current_graph_task_id",
+_TORCH_ENTRY_POINTS = ("_fused_sdp_choice", "_C._current_graph_task_id", "_C._set_grad_enabled",
+                       "_C._is_any_autocast_enabled", "_C._are_functorch_transforms_active",
                        "_C._dynamo.eval_frame.get_eval_frame_callback")
 # The attribute in which Hugging Face keeps a decoder layer's checkpoint function, read at every checkpointed call.
 _CHECKPOINT_FUNCTION = "_gradient_checkpointing_func"
@@ -41,9 +42,10 @@ _CHECKPOINTING_HINT = ("model.activation_checkpointing_enable() (gradient_checkp
                        "5.22), reentrant or not")
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Per-backend op table. Each entry prepares a mask as F.scaled_dot_product_attention does for the backend, runs the
-# aten forward that F.sdpa dispatches to, with the log-sum-exp, and calls the matching backward with exactly the
-# arguments of the forward's entry in PyTorch's derivatives.yaml. The forward returns (output, saved tensors, scalars).
+# Per-backend op table. Each entry prepares a mask as F.scaled_dot_product_attention does for the backend, and runs the
+# aten forward that F.sdpa dispatches to, with the log-sum-exp: its ``kernel`` returns (output, saved tensors,
+# scalars). Each entry is also the recompute's autograd node: its forward returns the kept output, and its backward
+# calls the kernel's backward with exactly the arguments of the forward's entry in PyTorch's derivatives.yaml.
 # ---------------------------------------------------------------------------------------------------------------------
 
 
@@ -56,7 +58,29 @@ def _float_mask(mask, dtype):
                        torch.full((), -math.inf, dtype=dtype, device=mask.device))
 
 
-class _CpuFlashOps:
+class _StashedAttention(torch.autograd.Function):
+    """The recompute's attention node, one subclass per backend: returns the output the first pass kept, and its
+    backward is the backend kernel's backward. Like autograd's own node for these kernels, that backward is not
+    differentiable again."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, mask, call, is_causal, scale):
+        # The call comes whole rather than its kept tuple, which Function.apply would walk for functorch.
+        _, out, tensors, scalars = call.kept
+        ctx.save_for_backward(query, key, value, mask, out, *tensors)
+        ctx.scalars, ctx.is_causal, ctx.scale = scalars, is_causal, scale
+        # Taken: from here the node holds what the first pass kept.
+        call.kept = None
+        return out
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        # The node's apply without autograd.Function.apply's functorch handling, which costs a stashed recompute about
+        # as much as the node itself; the stash refuses functorch transforms instead.
+        cls.replay = super(torch.autograd.Function, cls).apply
+
+
+class _CpuFlashOps(_StashedAttention):
     """``F.scaled_dot_product_attention``'s fused CPU kernel; it takes grouped key/value heads as they are."""
 
     name = "CPU flash attention"
@@ -74,7 +98,7 @@ class _CpuFlashOps:
         return _float_mask(mask, query.dtype)
 
     @staticmethod
-    def forward(query, key, value, mask, is_causal, scale):
+    def kernel(query, key, value, mask, is_causal, scale):
         out, lse = torch._scaled_dot_product_flash_attention_for_cpu(query,
                                                                      key,
                                                                      value,
@@ -85,21 +109,14 @@ class _CpuFlashOps:
         return out, (lse, ), ()
 
     @staticmethod
-    def backward(grad_out, query, key, value, mask, out, tensors, scalars, is_causal, scale, needs_grad):
-        lse, = tensors
-        return aten._scaled_dot_product_flash_attention_for_cpu_backward.default(grad_out,
-                                                                                 query,
-                                                                                 key,
-                                                                                 value,
-                                                                                 out,
-                                                                                 lse,
-                                                                                 0.0,
-                                                                                 is_causal,
-                                                                                 attn_mask=mask,
-                                                                                 scale=scale)
+    def backward(ctx, grad_out):
+        query, key, value, mask, out, lse = ctx.saved_tensors
+        grad_query, grad_key, grad_value = aten._scaled_dot_product_flash_attention_for_cpu_backward.default(
+            grad_out, query, key, value, out, lse, 0.0, ctx.is_causal, attn_mask=mask, scale=ctx.scale)
+        return grad_query, grad_key, grad_value, None, None, None, None
 
 
-class _CudnnOps:
+class _CudnnOps(_StashedAttention):
     """cuDNN attention, PyTorch's first SDPA choice on Hopper and Blackwell GPUs."""
 
     name = "cuDNN attention"
@@ -117,7 +134,7 @@ class _CudnnOps:
         return _float_mask(mask, query.dtype)
 
     @staticmethod
-    def forward(query, key, value, mask, is_causal, scale):
+    def kernel(query, key, value, mask, is_causal, scale):
         # compute_log_sumexp=True: under the checkpoint's no_grad first forward F.sdpa would skip the log-sum-exp.
         out, lse, cum_seq_q, cum_seq_k, max_q, max_k, philox_seed, philox_offset, _ = (
             torch._scaled_dot_product_cudnn_attention(query,
@@ -132,28 +149,29 @@ class _CudnnOps:
         return out, (lse, philox_seed, philox_offset, cum_seq_q, cum_seq_k), (max_q, max_k)
 
     @staticmethod
-    def backward(grad_out, query, key, value, mask, out, tensors, scalars, is_causal, scale, needs_grad):
-        lse, philox_seed, philox_offset, cum_seq_q, cum_seq_k = tensors
-        max_q, max_k = scalars
-        return aten._scaled_dot_product_cudnn_attention_backward.default(grad_out,
-                                                                         query,
-                                                                         key,
-                                                                         value,
-                                                                         out,
-                                                                         lse,
-                                                                         philox_seed,
-                                                                         philox_offset,
-                                                                         mask,
-                                                                         cum_seq_q,
-                                                                         cum_seq_k,
-                                                                         max_q,
-                                                                         max_k,
-                                                                         0.0,
-                                                                         is_causal,
-                                                                         scale=scale)
+    def backward(ctx, grad_out):
+        query, key, value, mask, out, lse, philox_seed, philox_offset, cum_seq_q, cum_seq_k = ctx.saved_tensors
+        max_q, max_k = ctx.scalars
+        grad_query, grad_key, grad_value = aten._scaled_dot_product_cudnn_attention_backward.default(grad_out,
+                                                                                                     query,
+                                                                                                     key,
+                                                                                                     value,
+                                                                                                     out,
+                                                                                                     lse,
+                                                                                                     philox_seed,
+                                                                                                     philox_offset,
+                                                                                                     mask,
+                                                                                                     cum_seq_q,
+                                                                                                     cum_seq_k,
+                                                                                                     max_q,
+                                                                                                     max_k,
+                                                                                                     0.0,
+                                                                                                     ctx.is_causal,
+                                                                                                     scale=ctx.scale)
+        return grad_query, grad_key, grad_value, None, None, None, None
 
 
-class _FlashOps:
+class _FlashOps(_StashedAttention):
     """FlashAttention-2 on CUDA, PyTorch's first SDPA choice on Ampere and Ada GPUs."""
 
     name = "flash attention"
@@ -173,34 +191,35 @@ class _FlashOps:
         return None
 
     @staticmethod
-    def forward(query, key, value, mask, is_causal, scale):
+    def kernel(query, key, value, mask, is_causal, scale):
         out, lse, cum_seq_q, cum_seq_k, max_q, max_k, rng_state, unused, _ = (
             torch._scaled_dot_product_flash_attention(query, key, value, 0.0, is_causal, False, scale=scale))
         return out, (lse, cum_seq_q, cum_seq_k, rng_state, unused), (max_q, max_k)
 
     @staticmethod
-    def backward(grad_out, query, key, value, mask, out, tensors, scalars, is_causal, scale, needs_grad):
-        lse, cum_seq_q, cum_seq_k, rng_state, unused = tensors
-        max_q, max_k = scalars
+    def backward(ctx, grad_out):
+        query, key, value, mask, out, lse, cum_seq_q, cum_seq_k, rng_state, unused = ctx.saved_tensors
+        max_q, max_k = ctx.scalars
         # The derivative passes rng_state and unused as the philox seed and offset.
-        return aten._scaled_dot_product_flash_attention_backward.default(grad_out,
-                                                                         query,
-                                                                         key,
-                                                                         value,
-                                                                         out,
-                                                                         lse,
-                                                                         cum_seq_q,
-                                                                         cum_seq_k,
-                                                                         max_q,
-                                                                         max_k,
-                                                                         0.0,
-                                                                         is_causal,
-                                                                         rng_state,
-                                                                         unused,
-                                                                         scale=scale)
+        grad_query, grad_key, grad_value = aten._scaled_dot_product_flash_attention_backward.default(grad_out,
+                                                                                                     query,
+                                                                                                     key,
+                                                                                                     value,
+                                                                                                     out,
+                                                                                                     lse,
+                                                                                                     cum_seq_q,
+                                                                                                     cum_seq_k,
+                                                                                                     max_q,
+                                                                                                     max_k,
+                                                                                                     0.0,
+                                                                                                     ctx.is_causal,
+                                                                                                     rng_state,
+                                                                                                     unused,
+                                                                                                     scale=ctx.scale)
+        return grad_query, grad_key, grad_value, None, None, None, None
 
 
-class _EfficientOps:
+class _EfficientOps(_StashedAttention):
     """Memory-efficient attention on CUDA, PyTorch's choice where flash and cuDNN do not apply."""
 
     name = "memory-efficient attention"
@@ -226,7 +245,7 @@ class _EfficientOps:
         return bias.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
 
     @staticmethod
-    def forward(query, key, value, mask, is_causal, scale):
+    def kernel(query, key, value, mask, is_causal, scale):
         # compute_log_sumexp=True, as in F.sdpa when grads are required; the log-sum-exp is padded to 32 rows.
         out, lse, philox_seed, philox_offset = torch._scaled_dot_product_efficient_attention(query,
                                                                                              key,
@@ -239,8 +258,8 @@ class _EfficientOps:
         return out, (lse, philox_seed, philox_offset), ()
 
     @staticmethod
-    def backward(grad_out, query, key, value, mask, out, tensors, scalars, is_causal, scale, needs_grad):
-        lse, philox_seed, philox_offset = tensors
+    def backward(ctx, grad_out):
+        query, key, value, mask, out, lse, philox_seed, philox_offset = ctx.saved_tensors
         # grad_input_mask: which of query, key, value and the bias need a gradient; a mask never does here.
         grad_query, grad_key, grad_value, _ = aten._scaled_dot_product_efficient_attention_backward.default(
             grad_out,
@@ -252,10 +271,10 @@ class _EfficientOps:
             lse,
             philox_seed,
             philox_offset,
-            0.0, [*needs_grad, False],
-            is_causal,
-            scale=scale)
-        return grad_query, grad_key, grad_value
+            0.0, [*ctx.needs_input_grad[:3], False],
+            ctx.is_causal,
+            scale=ctx.scale)
+        return grad_query, grad_key, grad_value, None, None, None, None
 
 
 # (device type, the backend torch._fused_sdp_choice reports) -> ops that replay it exactly.
@@ -274,10 +293,32 @@ def _training_choice(query, key, value, mask, is_causal, scale, enable_gqa):
     """The backend F.sdpa picks for these arguments in a training forward, where the query requires grad with grad
     enabled. The first pass runs without grad, where PyTorch may pick another (cuDNN's and flash's limits differ for
     the backward), so it asks with a query that requires grad."""
-    if not (query.requires_grad and torch.is_grad_enabled()):
-        with torch.enable_grad():
-            return _training_choice(query.detach().requires_grad_(), key, value, mask, is_causal, scale, enable_gqa)
-    return torch._fused_sdp_choice(query, key, value, mask, 0.0, is_causal, scale=scale, enable_gqa=enable_gqa)
+    grad_enabled = torch.is_grad_enabled()
+    if grad_enabled and query.requires_grad:
+        return torch._fused_sdp_choice(query, key, value, mask, 0.0, is_causal, scale=scale, enable_gqa=enable_gqa)
+    # The grad mode set directly rather than by torch.enable_grad(): this runs in every stashed first pass.
+    torch._C._set_grad_enabled(True)
+    try:
+        return torch._fused_sdp_choice(query.detach().requires_grad_(),
+                                       key,
+                                       value,
+                                       mask,
+                                       0.0,
+                                       is_causal,
+                                       scale=scale,
+                                       enable_gqa=enable_gqa)
+    finally:
+        torch._C._set_grad_enabled(grad_enabled)
+
+
+def _autocast_inputs(query, key, value):
+    """Query, key and value in autocast's lower precision where autocast is on for their device, as F.sdpa runs
+    them; the aten ops the stash calls are not autocast-aware."""
+    device_type = query.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return query, key, value
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(t.to(dtype) if t.dtype != torch.float64 else t for t in (query, key, value))
 
 
 def _ops_for(device_type, choice):
@@ -332,31 +373,6 @@ def _check_mask_preparation(ops, choice, bias, query, key, value, mask, is_causa
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Autograd node of the recompute: returns the kept output, and its backward is the backend's attention backward.
-# ---------------------------------------------------------------------------------------------------------------------
-
-
-class _StashedAttention(torch.autograd.Function):
-
-    @staticmethod
-    def forward(ctx, query, key, value, mask, kept, is_causal, scale):
-        ops, out, tensors, scalars = kept
-        ctx.save_for_backward(query, key, value, mask, out, *tensors)
-        ctx.ops, ctx.scalars, ctx.is_causal, ctx.scale = ops, scalars, is_causal, scale
-        return out
-
-    # Like autograd's own node for these ops, the backward is not differentiable again: a second-order backward through
-    # it fails in autograd, as it does through PyTorch's node.
-    @staticmethod
-    def backward(ctx, grad_out):
-        query, key, value, mask, out, *tensors = ctx.saved_tensors
-        grad_query, grad_key, grad_value = ctx.ops.backward(grad_out, query, key, value, mask, out, tensors,
-                                                            ctx.scalars, ctx.is_causal, ctx.scale,
-                                                            ctx.needs_input_grad[:3])
-        return grad_query, grad_key, grad_value, None, None, None, None
-
-
-# ---------------------------------------------------------------------------------------------------------------------
 # One checkpoint call of a stashed layer.
 # ---------------------------------------------------------------------------------------------------------------------
 
@@ -377,30 +393,34 @@ class _CheckpointCall:
     graph. What its first pass keeps lives in it: released when the recompute takes it, or with the graph.
     """
 
-    __slots__ = ("stash", "function", "passes", "attended", "kept", "nbytes", "mask", "selective", "__weakref__")
+    # Class defaults, so that the one object made per checkpointed call sets only its first two attributes.
+    passes = 0
+    attended = False
+    # (ops, attention output, saved tensors, scalars) from the first pass, until the recompute takes them.
+    kept = None
+    nbytes = 0
+    # What identifies the first pass's attention mask, for the recompute to compare.
+    mask = None
+    # Selective checkpointing's caching and cached modes, where the checkpoint is non-reentrant.
+    selective = None
 
     def __init__(self, stash, function):
-        self.stash, self.function = stash, function
-        self.passes = 0
-        self.attended = False
-        self.kept = None
-        self.nbytes = 0
-        self.mask = None
-        # Selective checkpointing's caching and cached modes, where the checkpoint is non-reentrant.
-        self.selective = None
+        self.stash = stash
+        self.function = function
 
     def __call__(self, *args, **kwargs):
-        self.passes += 1
-        self.attended = False
-        if self.passes == 1 and torch.is_grad_enabled():
-            # A checkpoint whose first pass runs with grad is non-reentrant: its recompute must save the very tensors
-            # the first pass saved, so the replay happens below autograd, by selective checkpointing.
-            self.selective = create_selective_checkpoint_contexts(_selective_policy)
-        if self.passes > 2:
+        passes = self.passes = self.passes + 1
+        if passes == 1:
+            if torch.is_grad_enabled():
+                # A checkpoint whose first pass runs with grad is non-reentrant: its recompute must save the very
+                # tensors the first pass saved, so the replay happens below autograd, by selective checkpointing.
+                self.selective = create_selective_checkpoint_contexts(_selective_policy)
+        elif passes > 2:
             raise RuntimeError(f"{_FEATURE} needs one backward per forward of {self.stash.name}, got a second "
                                f"backward through a retained graph (backward(retain_graph=True)): the first backward "
                                f"took the kept attention output. Sum the losses into one backward, or remove the "
                                f"stash for such steps.")
+        self.attended = False
         previous = _state.call
         _state.call = self
         try:
@@ -415,14 +435,60 @@ class _CheckpointCall:
                                f'implementation, and stash only layers with softmax attention.')
         return outputs
 
-    def sdpa(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    def sdpa(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False):
         """F.scaled_dot_product_attention for the layer's attention call, with the arguments it got: the first pass
         runs the kernel F.sdpa would run and keeps its outputs, the recompute returns them from an autograd node whose
         backward is that kernel's backward."""
+        # This runs in both passes of every stashed layer: what an unmasked call without dropout needs comes first.
+        if self.attended or dropout_p != 0.0 or attn_mask is not None or self.mask is not None:
+            self._check_arguments(attn_mask, dropout_p)
+        self.attended = True
+        if torch._C._is_any_autocast_enabled():
+            query, key, value = _autocast_inputs(query, key, value)
+        choice = _training_choice(query, key, value, attn_mask, is_causal, scale, enable_gqa)
+        # The device's type without making a torch.device, for the devices the table serves.
+        device_type = "cuda" if query.is_cuda else "cpu" if query.is_cpu else query.device.type
+        ops = _BACKENDS.get((device_type, choice))
+        if ops is None:
+            _ops_for(device_type, choice)
+        if self.passes > 1 and (self.kept is None or self.kept[0] is not ops):
+            raise RuntimeError(f"{_FEATURE} needs one SDPA backend for both passes of {self.stash.name}, got "
+                               f"{self.kept[0].name if self.kept else 'none'} in the forward and {ops.name} in the "
+                               f"recompute. Keep sdpa_kernel contexts and deterministic-algorithm settings the same "
+                               f"for a forward and its backward.")
+        if self.selective is not None:
+            return self._selective_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        bias = None
+        if attn_mask is not None:
+            bias = ops.prepare_mask(attn_mask, query, key, value)
+            if (ops, attn_mask.dtype) not in _MASKS_CHECKED:
+                _check_mask_preparation(ops, choice, bias, query, key, value, attn_mask, is_causal, scale, enable_gqa)
+        head_dim = 0
+        if ops.head_dim_multiple != 1 and query.shape[-1] % ops.head_dim_multiple:
+            # As F.sdpa does: the scale from the unpadded head dimension, then zero padding, differentiably.
+            head_dim = query.shape[-1]
+            scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+            query, key, value = (F.pad(t, (0, -t.shape[-1] % ops.head_dim_multiple)) for t in (query, key, value))
+        if self.passes == 1:
+            out, tensors, scalars = ops.kernel(query, key, value, bias, is_causal, scale)
+            self.kept = (ops, out, tensors, scalars)
+            # The output and its log-sum-exp; the other saved tensors are scalars of a few bytes.
+            self.stash.counters.add(self, out.nbytes + tensors[0].nbytes)
+        else:
+            if torch._C._are_functorch_transforms_active():
+                raise RuntimeError(f"{_FEATURE} needs the recompute of {self.stash.name} to run under autograd alone, "
+                                   f"got a torch.func transform (grad, vjp, vmap, jacrev). Remove the stash, or take "
+                                   f"gradients with backward() rather than torch.func.")
+            out = ops.replay(query, key, value, bias, self, is_causal, scale)
+            self.stash.counters.served(self)
+        return out[..., :head_dim] if head_dim else out
+
+    def _check_arguments(self, attn_mask, dropout_p):
+        """The guards of an attention call that is a second one, has dropout or has a mask (or had one in the first
+        pass); a mask is remembered by the first pass and compared by the recompute."""
         if self.attended:
             raise RuntimeError(f"{_FEATURE} needs one attention call per forward of {self.stash.name}, got a second "
                                f"one. Remove the stash from layers that call attention more than once.")
-        self.attended = True
         if dropout_p != 0.0:
             raise RuntimeError(f"{_FEATURE} needs attention dropout 0 in {self.stash.name}, got {dropout_p}. Set the "
                                f"model config's attention_dropout to 0.0, or remove the stash.")
@@ -441,40 +507,6 @@ class _CheckpointCall:
                                f"mask, got {'another one' if mask and self.mask else 'a change from or to none'} "
                                f"(another tensor, shape or version): the kept output is the forward's. Do not change "
                                f"a mask in place between a forward and its backward.")
-        device_type = query.device.type
-        if torch.is_autocast_enabled(device_type):
-            # F.sdpa runs in autocast's lower precision; the aten ops below are not autocast-aware.
-            dtype = torch.get_autocast_dtype(device_type)
-            query, key, value = (t.to(dtype) if t.dtype != torch.float64 else t for t in (query, key, value))
-        choice = _training_choice(query, key, value, attn_mask, is_causal, scale, enable_gqa)
-        ops = _ops_for(device_type, choice)
-        if self.passes > 1 and (self.kept is None or self.kept[0] is not ops):
-            raise RuntimeError(f"{_FEATURE} needs one SDPA backend for both passes of {self.stash.name}, got "
-                               f"{self.kept[0].name if self.kept else 'none'} in the forward and {ops.name} in the "
-                               f"recompute. Keep sdpa_kernel contexts and deterministic-algorithm settings the same "
-                               f"for a forward and its backward.")
-        if self.selective is not None:
-            return self._selective_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-        bias = None
-        if attn_mask is not None:
-            bias = ops.prepare_mask(attn_mask, query, key, value)
-            if (ops, attn_mask.dtype) not in _MASKS_CHECKED:
-                _check_mask_preparation(ops, choice, bias, query, key, value, attn_mask, is_causal, scale, enable_gqa)
-        head_dim = query.shape[-1]
-        padded = head_dim % ops.head_dim_multiple != 0
-        if padded:
-            # As F.sdpa does: the scale from the unpadded head dimension, then zero padding, differentiably.
-            scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-            query, key, value = (F.pad(t, (0, -t.shape[-1] % ops.head_dim_multiple)) for t in (query, key, value))
-        if self.passes == 1:
-            out, tensors, scalars = ops.forward(query, key, value, bias, is_causal, scale)
-            self.kept = (ops, out, tensors, scalars)
-            self.stash.counters.add(self, _storage_bytes((out, *tensors)))
-        else:
-            kept, self.kept = self.kept, None
-            self.stash.counters.served(self)
-            out = _StashedAttention.apply(query, key, value, bias, kept, is_causal, scale)
-        return out[..., :head_dim] if padded else out
 
     def _selective_sdpa(self, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
         """F.sdpa itself, under selective checkpointing's caching mode in the first pass and its cached mode in the
@@ -497,16 +529,6 @@ class _CheckpointCall:
             self.stash.counters.released(self)
 
 
-def _storage_bytes(tensors):
-    """Bytes of the distinct storages under ``tensors``."""
-    storages = {}
-    for tensor in tensors:
-        if isinstance(tensor, torch.Tensor):
-            storage = tensor.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
-    return sum(storages.values())
-
-
 def _selective_policy(context, op, *args, **kwargs):
     """Selective checkpointing's policy in a stashed layer's attention call: keep the fused attention kernel's outputs
     and count them for the current checkpoint call, recompute everything else. A function of the module rather than
@@ -517,8 +539,9 @@ def _selective_policy(context, op, *args, **kwargs):
     if not context.is_recompute:
         call = _state.call
         outputs = getattr(context, "op_output", None)
-        # PyTorch hands the policy the outputs from 2.13; before, the planner's layout sizes them.
-        nbytes = (_storage_bytes(outputs) if outputs is not None else ops.kept_bytes(
+        # The output and its log-sum-exp, as the first pass of a reentrant checkpoint counts them. PyTorch hands the
+        # policy the outputs from 2.13; before, the planner's layout sizes them.
+        nbytes = (outputs[0].nbytes + outputs[1].nbytes if outputs is not None else ops.kept_bytes(
             args[0].shape[0], args[0].shape[1], args[0].shape[2], args[0].shape[3], args[0].dtype))
         call.kept = (ops, None, (), ())
         call.stash.counters.add(call, nbytes)
@@ -535,8 +558,9 @@ class _Counters:
     def add(self, call, nbytes):
         call.nbytes = nbytes
         self.kept += 1
-        self.kept_bytes += call.nbytes
-        self.peak_kept_bytes = max(self.peak_kept_bytes, self.kept_bytes)
+        self.kept_bytes += nbytes
+        if self.kept_bytes > self.peak_kept_bytes:
+            self.peak_kept_bytes = self.kept_bytes
 
     def served(self, call):
         self.kept -= 1
@@ -560,6 +584,8 @@ class _LayerStash:
         self.active = True
         # The stored checkpoint function wrapped for the last read, while it is the one stored.
         self.wrapped = None
+        # The last checkpoint function whose settings passed _check_settings.
+        self.settings_checked = None
 
     def checkpoint(self, checkpoint_function, function, *args, **kwargs):
         """The layer's checkpoint function, as the stash hands it to Hugging Face's checkpointed call."""
@@ -572,6 +598,13 @@ class _LayerStash:
                                f"torch.compile, whose graphs would break around the stash's state in every stashed "
                                f"layer and whose gradients the stash cannot promise. Train the compiled model "
                                f"without the stash (handle.remove()), or the stashed model without torch.compile.")
+        if kwargs or checkpoint_function is not self.settings_checked:
+            self._check_settings(checkpoint_function, kwargs)
+        return checkpoint_function(_CheckpointCall(self, function), *args, **kwargs)
+
+    def _check_settings(self, checkpoint_function, kwargs):
+        """Raise for checkpoint settings of the user's that the stash cannot serve; remembers a checkpoint function
+        whose own settings passed, so that the next call with it skips this."""
         settings = {**getattr(checkpoint_function, "keywords", {}), **kwargs}
         if settings.get("context_fn") is not None or settings.get("debug"):
             given = "context_fn" if settings.get("context_fn") is not None else "debug=True"
@@ -580,7 +613,8 @@ class _LayerStash:
                 f"its own, got {given}: the stash keeps the attention output by selective "
                 f"checkpointing itself. Drop it from the checkpointing kwargs, or remove the stash from "
                 f"these layers.")
-        return checkpoint_function(_CheckpointCall(self, function), *args, **kwargs)
+        if not kwargs:
+            self.settings_checked = checkpoint_function
 
     def raise_outside_checkpoint(self):
         if torch._C._current_graph_task_id() != -1:
@@ -650,8 +684,17 @@ def _module_view(module, **entries):
     return view
 
 
-def _attention_of_current_call(*args, **kwargs):
-    return _state.call.sdpa(*args, **kwargs)
+def _attention_of_current_call(query,
+                               key,
+                               value,
+                               attn_mask=None,
+                               dropout_p=0.0,
+                               is_causal=False,
+                               *,
+                               scale=None,
+                               enable_gqa=False):
+    # F.sdpa's signature spelled out: binding named arguments costs less than passing *args and **kwargs on.
+    return _state.call.sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
 
 
 def _stashing_copy(function):
@@ -912,7 +955,8 @@ class AttentionStashHandle:
 
     @property
     def kept_bytes(self):
-        """Bytes of memory the kept outputs and their saved tensors hold now."""
+        """Bytes the kept attention outputs and their log-sum-exps hold now, laid out as
+        ``attention_stash_layer_bytes`` counts them; the kernels' few bytes of scalars are not counted."""
         return self._counters.kept_bytes
 
     @property
@@ -968,8 +1012,8 @@ def install_attention_stash(model: torch.nn.Module,
 
     Forwards without a backward (``torch.no_grad()``, eval mode, generation) run stock sdpa and keep nothing. What the
     stash cannot serve raises instead of falling back: attention dropout, a training forward outside a checkpoint or
-    under ``torch.compile``, an SDPA backend without an exact replay, a second install on a layer, a second backward
-    through a retained graph.
+    under ``torch.compile``, a recompute under a ``torch.func`` transform, an SDPA backend without an exact replay, a
+    second install on a layer, a second backward through a retained graph.
 
     Returns an ``AttentionStashHandle``; its ``remove()`` uninstalls the stash.
     """

@@ -526,6 +526,26 @@ def _replay(query, key, value, mask, gqa, leaves):
     return inputs, replayed
 
 
+def test_rejects_a_recompute_under_a_torch_func_transform():
+    """The recompute's node is applied without autograd.Function.apply's functorch handling: under a torch.func
+    transform the stash raises, serves nothing, and its kept output is released with the call."""
+    query, key, value = (torch.randn(1, 4, 8, 8) for _ in range(3))
+    counters = attention_stash._Counters()
+    call = attention_stash._CheckpointCall(
+        attention_stash._LayerStash("attention", torch.nn.Linear(1, 1), None, counters), None)
+    call.passes = 1
+    with torch.no_grad():
+        call.sdpa(query, key, value, is_causal=True)
+    call.passes, call.attended = 2, False
+    with pytest.raises(RuntimeError,
+                       match="needs the recompute of attention to run under autograd alone, got a "
+                       "torch.func transform"):
+        torch.func.grad(lambda query: call.sdpa(query, key, value, is_causal=True).sum())(query.clone())
+    assert (counters.kept, counters.recomputes_served) == (1, 0)
+    call = None
+    assert (counters.kept, counters.kept_bytes, counters.released_without_backward) == (0, 0, 1)
+
+
 REPLAY_CASES = [("cpu", SDPBackend.FLASH_ATTENTION)] + [("cuda", backend) for backend in CUDA_BACKENDS]
 
 

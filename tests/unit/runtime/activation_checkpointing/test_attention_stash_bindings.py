@@ -13,6 +13,7 @@ unused) or a fixed grad_input_mask fail here, which a check of shapes would let 
 
 import os
 import re
+import types
 
 import pytest
 import torch
@@ -100,8 +101,14 @@ def test_backward_call_follows_pytorch_derivative(ops, needs_grad):
     mask = torch.randn(1, 1, 4, 4) if takes_mask else None
     kernels = _Kernels()
     with kernels:
-        out, tensors, scalars = ops.forward(query, key, value, mask, True, 0.25)
-        grads = ops.backward(grad, query, key, value, mask, out, tensors, scalars, True, 0.25, needs_grad)
+        out, tensors, scalars = ops.kernel(query, key, value, mask, True, 0.25)
+        # The node's context as its forward leaves it: the saved tensors, the scalars and the call's arguments.
+        context = types.SimpleNamespace(saved_tensors=(query, key, value, mask, out, *tensors),
+                                        scalars=scalars,
+                                        is_causal=True,
+                                        scale=0.25,
+                                        needs_input_grad=(*needs_grad, False, False, False, False))
+        grads = ops.backward(context, grad)
     (forward_name, forward), (backward_name, backward) = kernels.calls
     assert (forward_name, backward_name) == (forward_op, backward_op)
     assert list(forward) == arguments
@@ -120,7 +127,8 @@ def test_backward_call_follows_pytorch_derivative(ops, needs_grad):
     assert len(expressions) == len(backward)
     for position, (expression, (name, actual)) in enumerate(zip(expressions, backward.items())):
         assert _same(actual, values[expression]), (position, name, expression)
-    assert all(grad is returned for grad, returned in zip(grads, kernels.returned[1]))
+    assert len(grads) == 7 and grads[3:] == (None, ) * 4
+    assert all(grad is returned for grad, returned in zip(grads[:3], kernels.returned[1]))
 
 
 def test_every_backend_has_a_derivative_and_a_served_device():

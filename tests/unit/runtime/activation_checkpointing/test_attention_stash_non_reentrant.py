@@ -125,6 +125,24 @@ def test_rejects_a_checkpoint_with_its_own_context_fn_or_debug(install, given):
         model(input_ids=batch_ids(), labels=batch_ids())
 
 
+def test_checks_a_checkpoint_function_set_after_a_served_step(install):
+    """The stash checks a layer's checkpoint settings once per checkpoint function: one set after a served step, with
+    debug=True (PyTorch takes it only without reentrant checkpointing), is checked again."""
+    model = mixtral_model().train()
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    keyword = ("activation_checkpointing_kwargs"
+               if hasattr(model, "activation_checkpointing_enable") else "gradient_checkpointing_kwargs")
+    enable(**{keyword: {"use_reentrant": False}})
+    handle = install(model, 1)
+    model(input_ids=batch_ids(), labels=batch_ids()).loss.backward()
+    assert handle.recomputes_served == 1
+    enable(**{keyword: {"use_reentrant": False, "debug": True}})
+    with pytest.raises(RuntimeError,
+                       match="needs the checkpoint of model.layers.2 to run without a context_fn or "
+                       "debug of its own, got debug=True"):
+        model(input_ids=batch_ids(), labels=batch_ids())
+
+
 def test_dropout_and_math_still_raise(install):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
