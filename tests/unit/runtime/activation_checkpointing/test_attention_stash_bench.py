@@ -131,10 +131,16 @@ def test_host_benchmark_runs_and_counts_what_it_served(capsys):
     sys.path.insert(0, BENCHMARKS)
     try:
         import attention_stash_host
-        attention_stash_host.main(["--pairs", "4", "--warmup", "1"])
+        attention_stash_host.main(["--pairs", "4", "--warmup", "1", "--profile", "2"])
     finally:
         sys.path.remove(BENCHMARKS)
     out = capsys.readouterr().out
     for part in ("all 8 stashed: step", "first pass", "recompute", "backward other", "4 unstashed layers pay"):
         assert part in out
     assert "host cost of the stash:" in out
+    # The profile: plain runs F.sdpa's kernel in both passes; the stash runs it once and replays it in its node.
+    # Each row: a part, then per model "<calls> x, <microseconds>" or "-".
+    rows = {line[:34].strip(): line[34:].split() for line in out.splitlines()[-5:]}
+    assert rows["fused forward kernel"][0:4:3] == ["2", "1"]
+    assert rows["stash's recompute node"][:2] == ["-", "1"]
+    assert rows["attention node in the backward"][0:4:3] == ["1", "1"]
