@@ -65,7 +65,7 @@ class _StashedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, key, value, mask, call, is_causal, scale):
-        # The call comes whole rather than its kept tuple, which Function.apply would walk for functorch.
+        # The node takes what the first pass kept from the call itself, so that the call holds it no longer.
         _, out, tensors, scalars = call.kept
         ctx.save_for_backward(query, key, value, mask, out, *tensors)
         ctx.scalars, ctx.is_causal, ctx.scale = scalars, is_causal, scale
@@ -604,7 +604,8 @@ class _LayerStash:
 
     def _check_settings(self, checkpoint_function, kwargs):
         """Raise for checkpoint settings of the user's that the stash cannot serve; remembers a checkpoint function
-        whose own settings passed, so that the next call with it skips this."""
+        whose own settings passed, so that the next call with it skips this. Hugging Face makes a new function for
+        each enable call; a partial's keywords edited in place are not seen again."""
         settings = {**getattr(checkpoint_function, "keywords", {}), **kwargs}
         if settings.get("context_fn") is not None or settings.get("debug"):
             given = "context_fn" if settings.get("context_fn") is not None else "debug=True"
