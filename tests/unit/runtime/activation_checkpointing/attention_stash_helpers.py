@@ -55,12 +55,13 @@ def mistral_model(dtype=torch.float32, **overrides):
 MODELS = {"mixtral": mixtral_model, "qwen3_moe": qwen3_moe_model}
 
 
-def checkpointed(model, use_reentrant=True):
+def checkpointed(model, use_reentrant=True, **checkpoint_kwargs):
+    kwargs = {"use_reentrant": use_reentrant, **checkpoint_kwargs}
     # transformers 5.23 renamed gradient_checkpointing_enable, keeping the old name as a deprecated alias.
     if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": use_reentrant})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     model.train()
     return model
 

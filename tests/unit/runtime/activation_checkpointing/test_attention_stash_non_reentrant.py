@@ -106,17 +106,12 @@ def test_second_backward_through_a_retained_graph_names_it(install):
 def test_rejects_a_checkpoint_with_its_own_context_fn_or_debug(install, given):
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-    model = mixtral_model().train()
     extra = {
         "context_fn": lambda: create_selective_checkpoint_contexts([])
     } if given == "context_fn" else {
         "debug": True
     }
-    kwargs = {"use_reentrant": False, **extra}
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    model = checkpointed(mixtral_model(), use_reentrant=False, **extra)
     install(model, 1)
     expected = "context_fn" if given == "context_fn" else "debug=True"
     with pytest.raises(RuntimeError,
@@ -128,15 +123,11 @@ def test_rejects_a_checkpoint_with_its_own_context_fn_or_debug(install, given):
 def test_checks_a_checkpoint_function_set_after_a_served_step(install):
     """The stash checks a layer's checkpoint settings once per checkpoint function: one set after a served step, with
     debug=True (PyTorch takes it only without reentrant checkpointing), is checked again."""
-    model = mixtral_model().train()
-    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-    keyword = ("activation_checkpointing_kwargs"
-               if hasattr(model, "activation_checkpointing_enable") else "gradient_checkpointing_kwargs")
-    enable(**{keyword: {"use_reentrant": False}})
+    model = _non_reentrant(mixtral_model())
     handle = install(model, 1)
     model(input_ids=batch_ids(), labels=batch_ids()).loss.backward()
     assert handle.recomputes_served == 1
-    enable(**{keyword: {"use_reentrant": False, "debug": True}})
+    checkpointed(model, use_reentrant=False, debug=True)
     with pytest.raises(RuntimeError,
                        match="needs the checkpoint of model.layers.2 to run without a context_fn or "
                        "debug of its own, got debug=True"):
