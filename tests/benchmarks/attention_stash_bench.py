@@ -22,6 +22,7 @@ import copy
 import functools
 import json
 import os
+import socket
 import statistics
 import sys
 import threading
@@ -113,9 +114,13 @@ def _init_deepspeed(device):
                         "runtime", "activation_checkpointing")
     if os.path.isfile(os.path.join(tree, "attention_stash.py")) and tree not in activation_checkpointing.__path__:
         activation_checkpointing.__path__.insert(0, tree)
-    for variable, default in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
-                              ("MASTER_PORT", "29517")):
+    for variable, default in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(variable, default)
+    if "MASTER_PORT" not in os.environ:
+        # A free port: a fixed one collides with a second run on the machine.
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(probe.getsockname()[1])
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 

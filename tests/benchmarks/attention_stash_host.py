@@ -4,20 +4,22 @@
 """Host cost of the attention stash: microseconds of Python per stashed layer and training step.
 
 On a tiny Llama (8 layers, hidden 32, sequence 8) the kernels cost next to nothing, so what a step costs is the host's
-work. Steps of a plain model (reentrant checkpointing) and of the same model with the stash alternate, in pairs, on one
-thread; the median of the paired differences, divided by the stashed layers, is the stash's host cost per stashed layer
-and step. Timers around each layer's checkpointed function split it: the first pass, the recompute, and the rest of
+work. Steps of a plain model and of the same model with the stash alternate, in pairs, on one thread, under reentrant
+and non-reentrant checkpointing (transformers' default), the two modes' pairs interleaved; the median of the paired
+differences, divided by the stashed layers, is the stash's host cost per stashed layer and step, and the two modes'
+costs are compared with the spread their quartiles allow. Timers around each layer's checkpointed function split it: the first pass, the recompute, and the rest of
 the backward. A partly stashed model shows what its unstashed layers pay: they must stay within noise of plain. Times
 are the thread's CPU time (time.thread_time), which a descheduled process does not accumulate; the quartiles of the
 paired differences are the noise, and a median outside them is not a result.
 
-    python tests/benchmarks/attention_stash_host.py                          # 200 pairs, about half a minute
-    python tests/benchmarks/attention_stash_host.py --mode non-reentrant     # transformers' default checkpointing
+    python tests/benchmarks/attention_stash_host.py                          # both modes, 200 pairs, about a minute
+    python tests/benchmarks/attention_stash_host.py --mode non-reentrant     # transformers' default checkpointing only
     python tests/benchmarks/attention_stash_host.py --profile 50             # and where the attention's time goes
 
 ``--profile`` adds a torch.profiler table of the attention's own work in each pass, per layer and step, for the plain
-and the fully stashed model: F.sdpa and its kernel in the forward passes, the stash's kernel call and its recompute
-node, and each model's attention node in the backward. The profiler's own cost is in those figures.
+and the fully stashed model of each mode: F.sdpa and its kernel in the forward passes, the stash's kernel call and its
+node (applied in the recompute, and in a non-reentrant checkpoint's first pass too), and each model's attention node in
+the backward. The profiler's own cost is in those figures.
 """
 
 import argparse
@@ -124,7 +126,7 @@ def _attention_part(name):
     if name in {f"aten::{ops.ops[0]}" for ops in backends}:
         return "fused forward kernel"
     if name in {ops.__name__ for ops in backends}:
-        return "stash's recompute node"
+        return "stash's node"
     if name in {f"aten::{ops.ops[1]}" for ops in backends}:
         return "fused backward kernel"
     node = name.partition("autograd::engine::evaluate_function: ")[2]
@@ -158,66 +160,42 @@ def _profile(models, ids, steps):
         print(f"{part:<34}{row}")
 
 
-def _paired(plain, other, ids, pairs):
-    """Median and quartiles of (other - plain) per part of the step, in microseconds, over alternating pairs."""
-    differences = {}
+def _paired(comparisons, ids, pairs):
+    """Median and quartiles of (other - plain) per part of the step, in microseconds, over alternating pairs, for each
+    (plain, other) comparison; the comparisons' pairs are interleaved, so that a drift of the machine reaches all."""
+    differences = [{} for _ in comparisons]
     for index in range(pairs):
-        # Alternate which model runs first, so that a drift of the machine cancels.
-        if index % 2:
-            a, b = _step(*plain, ids), _step(*other, ids)
-        else:
-            b, a = _step(*other, ids), _step(*plain, ids)
-        for part in a:
-            differences.setdefault(part, []).append((b[part] - a[part]) * 1e6)
-    return {
+        for (plain, other), parts in zip(comparisons, differences):
+            # Alternate which model runs first, so that a drift of the machine cancels.
+            if index % 2:
+                a, b = _step(*plain, ids), _step(*other, ids)
+            else:
+                b, a = _step(*other, ids), _step(*plain, ids)
+            for part in a:
+                parts.setdefault(part, []).append((b[part] - a[part]) * 1e6)
+    return [{
         part: (statistics.median(values), *statistics.quantiles(values, n=4)[::2])
-        for part, values in differences.items()
-    }
+        for part, values in parts.items()
+    } for parts in differences]
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--pairs", type=int, default=200, help="paired steps per comparison")
-    parser.add_argument("--warmup", type=int, default=20, help="untimed steps of each model first")
-    parser.add_argument("--target", type=float, default=100.0, help="microseconds per stashed layer and step")
-    parser.add_argument("--profile",
-                        type=int,
-                        default=0,
-                        metavar="STEPS",
-                        help="also profile this many steps of the plain and the fully stashed model")
-    parser.add_argument("--mode",
-                        choices=["reentrant", "non-reentrant"],
-                        default="reentrant",
-                        help="the checkpointing of both models, plain and stashed")
-    args = parser.parse_args(argv)
-    _init()
-    torch.set_num_threads(1)
-    import transformers
+class _Mode:
+    """The plain, fully stashed and half-stashed models of one checkpoint mode."""
 
-    ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(0))
-    reentrant = args.mode == "reentrant"
-    plain = _model(0, reentrant)[::2]
-    full_model, full_handle, full_timer = _model(LAYERS, reentrant)
-    half_model, half_handle, half_timer = _model(LAYERS // 2, reentrant)
-    full, half = (full_model, full_timer), (half_model, half_timer)
-    for _ in range(args.warmup):
-        for model in (plain, full, half):
-            _step(*model, ids)
-    gc.collect()
-    served = full_handle.recomputes_served, half_handle.recomputes_served
-    plain_step = statistics.median(_step(*plain, ids)["step"] for _ in range(args.pairs // 4)) * 1e6
-    full_cost = _paired(plain, full, ids, args.pairs)
-    half_cost = _paired(plain, half, ids, args.pairs)
-    steps = args.warmup + args.pairs
-    expected = (LAYERS * steps, LAYERS // 2 * steps)
-    if (full_handle.recomputes_served - served[0],
-            half_handle.recomputes_served - served[1]) != (LAYERS * args.pairs, LAYERS // 2 * args.pairs):
-        sys.exit(f"attention_stash_host needs every recompute served, got {full_handle.recomputes_served} and "
-                 f"{half_handle.recomputes_served} of {expected}.")
+    def __init__(self, mode):
+        self.mode = mode
+        reentrant = mode == "reentrant"
+        self.plain = _model(0, reentrant)[::2]
+        full_model, self.full_handle, full_timer = _model(LAYERS, reentrant)
+        half_model, self.half_handle, half_timer = _model(LAYERS // 2, reentrant)
+        self.full, self.half = (full_model, full_timer), (half_model, half_timer)
 
-    print(f"attention stash host cost: Llama {LAYERS} layers, hidden 32, sequence 8, one thread, {args.pairs} paired "
-          f"steps, {args.mode} checkpointing; torch {torch.__version__}, transformers {transformers.__version__}; "
-          f"plain step {plain_step:,.0f} us ({plain_step / LAYERS:,.0f} us per layer)")
+    def served(self):
+        return self.full_handle.recomputes_served, self.half_handle.recomputes_served
+
+
+def _report(mode, plain_step, full_cost, half_cost, target):
+    print(f"\n{mode} checkpointing: plain step {plain_step:,.0f} us ({plain_step / LAYERS:,.0f} us per layer)")
     header = f"{'microseconds per stashed layer and step':<44}{'median':>10}{'quartiles':>22}"
     print(header)
     print("-" * len(header))
@@ -232,10 +210,68 @@ def main(argv=None):
     print(f"4 of 8 stashed: the 4 unstashed layers pay {unstashed:+.1f} us each against plain (noise, the quartile "
           f"range per layer: {noise:.1f} us): {'within' if abs(unstashed) <= noise else 'OUTSIDE'} noise")
     cost = full_cost["step"][0] / LAYERS
-    print(f"host cost of the stash: {cost:.0f} us per stashed layer and step, "
-          f"{'within' if cost <= args.target else 'over'} the {args.target:.0f} us target")
+    print(f"host cost of the stash, {mode}: {cost:.0f} us per stashed layer and step, "
+          f"{'within' if cost <= target else 'over'} the {target:.0f} us target")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pairs", type=int, default=200, help="paired steps per comparison")
+    parser.add_argument("--warmup", type=int, default=20, help="untimed steps of each model first")
+    parser.add_argument("--target", type=float, default=100.0, help="microseconds per stashed layer and step")
+    parser.add_argument("--ratio-target",
+                        type=float,
+                        default=1.5,
+                        help="the most the non-reentrant cost may be, in multiples of the reentrant cost")
+    parser.add_argument("--profile",
+                        type=int,
+                        default=0,
+                        metavar="STEPS",
+                        help="also profile this many steps of the plain and the fully stashed model of each mode")
+    parser.add_argument("--mode",
+                        choices=["both", "reentrant", "non-reentrant"],
+                        default="both",
+                        help="the checkpointing of the models, plain and stashed: both modes interleaved by default")
+    args = parser.parse_args(argv)
+    _init()
+    torch.set_num_threads(1)
+    import transformers
+
+    ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(0))
+    modes = [_Mode(mode) for mode in (["reentrant", "non-reentrant"] if args.mode == "both" else [args.mode])]
+    for _ in range(args.warmup):
+        for mode in modes:
+            for model in (mode.plain, mode.full, mode.half):
+                _step(*model, ids)
+    gc.collect()
+    served = [mode.served() for mode in modes]
+    plain_steps = [
+        statistics.median(_step(*mode.plain, ids)["step"] for _ in range(args.pairs // 4)) * 1e6 for mode in modes
+    ]
+    costs = _paired([(mode.plain, model) for mode in modes for model in (mode.full, mode.half)], ids, args.pairs)
+    for mode, before in zip(modes, served):
+        got = tuple(after - start for after, start in zip(mode.served(), before))
+        if got != (LAYERS * args.pairs, LAYERS // 2 * args.pairs):
+            sys.exit(f"attention_stash_host needs every recompute served, got {got} in {mode.mode} checkpointing, "
+                     f"of {(LAYERS * args.pairs, LAYERS // 2 * args.pairs)}.")
+
+    print(f"attention stash host cost: Llama {LAYERS} layers, hidden 32, sequence 8, one thread, {args.pairs} paired "
+          f"steps per comparison, interleaved; torch {torch.__version__}, transformers {transformers.__version__}")
+    for index, mode in enumerate(modes):
+        _report(mode.mode, plain_steps[index], costs[2 * index], costs[2 * index + 1], args.target)
+    if len(modes) == 2:
+        (reentrant, low_r, high_r), (non_reentrant, low_n, high_n) = (costs[0]["step"], costs[2]["step"])
+        ratio = non_reentrant / reentrant
+        # The ratio's spread from the quartiles of both: the lowest and highest ratio they allow.
+        low, high = (low_n / high_r, high_n / low_r) if low_r > 0 else (float("nan"), float("nan"))
+        verdict = ("within" if high <= args.ratio_target else
+                   "over" if low > args.ratio_target else "UNRESOLVED by the noise against")
+        print(f"\nnon-reentrant against reentrant: {ratio:.2f} times the host cost per stashed layer and step "
+              f"({low:.2f} to {high:.2f} from the quartiles): {verdict} the {args.ratio_target:.1f} times target")
     if args.profile:
-        _profile([("plain", plain), (f"all {LAYERS} stashed", full)], ids, args.profile)
+        for mode in modes:
+            print(f"\n{mode.mode} checkpointing:")
+            _profile([("plain", mode.plain), (f"all {LAYERS} stashed", mode.full)], ids, args.profile)
 
 
 if __name__ == "__main__":

@@ -6,9 +6,9 @@ Keep the attention output of Hugging Face decoder layers for their checkpoint re
 
 With per-layer activation checkpointing, the backward pass runs every decoder layer forward again. For the layers it
 is installed on, the attention stash keeps the first forward's attention output and log-sum-exp and hands them to the
-attention backward, so the recompute skips the attention forward kernel: replayed by the stash under reentrant
-checkpointing, kept by PyTorch's selective checkpointing under non-reentrant checkpointing. The memory cost is one
-attention output plus its log-sum-exp per stashed layer, from the layer's forward to its recompute.
+attention backward, so the recompute skips the attention forward kernel: one autograd node replays them, under
+reentrant and non-reentrant checkpointing alike. The memory cost is one attention output plus its log-sum-exp per
+stashed layer, from the layer's forward to its recompute.
 
 transformers is imported lazily, by ``install_attention_stash``.
 """
@@ -22,8 +22,8 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+import torch.utils.checkpoint
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from deepspeed.utils import logger
 
@@ -35,7 +35,9 @@ _SDPA = F.scaled_dot_product_attention
 # PyTorch entry points beyond the public API; the installer checks them, with the kernels of the backend table.
 _TORCH_ENTRY_POINTS = ("_fused_sdp_choice", "_C._current_graph_task_id", "_C._set_grad_enabled",
                        "_C._is_any_autocast_enabled", "_C._are_functorch_transforms_active",
-                       "_C._dynamo.eval_frame.get_eval_frame_callback")
+                       "_C._dynamo.eval_frame.get_eval_frame_callback", "utils.checkpoint._StopRecomputationError")
+# What a non-reentrant checkpoint raises from its recompute's last save, to stop the recompute there.
+_StopRecomputationError = getattr(torch.utils.checkpoint, "_StopRecomputationError", None)
 # The attribute in which Hugging Face keeps a decoder layer's checkpoint function, read at every checkpointed call.
 _CHECKPOINT_FUNCTION = "_gradient_checkpointing_func"
 _CHECKPOINTING_HINT = ("model.activation_checkpointing_enable() (gradient_checkpointing_enable() up to transformers "
@@ -64,13 +66,13 @@ class _StashedAttention(torch.autograd.Function):
     differentiable again."""
 
     @staticmethod
-    def forward(ctx, query, key, value, mask, call, is_causal, scale):
-        # The node takes what the first pass kept from the call itself, so that the call holds it no longer.
-        _, out, tensors, scalars = call.kept
+    def forward(ctx, query, key, value, mask, kept, is_causal, scale):
+        # ``kept`` is (ops, output, saved tensors, scalars) of the kernel: in a recompute, what the first pass kept; in
+        # the first pass of a non-reentrant checkpoint, the kernel's fresh outputs, so that the node saves the same
+        # tensors, in the same order, in both passes, as the checkpoint matches them.
+        _, out, tensors, scalars = kept
         ctx.save_for_backward(query, key, value, mask, out, *tensors)
         ctx.scalars, ctx.is_causal, ctx.scale = scalars, is_causal, scale
-        # Taken: from here the node holds what the first pass kept.
-        call.kept = None
         return out
 
     def __init_subclass__(cls, **kwargs):
@@ -285,8 +287,6 @@ _BACKENDS = {
     ("cuda", SDPBackend.EFFICIENT_ATTENTION.value): _EfficientOps,
 }
 _BACKEND_NAMES = {backend.value: name for name, backend in SDPBackend.__members__.items()}
-# Each backend's forward kernel, as a dispatch mode sees it: filled by the installer once the kernels resolve.
-_FUSED_FORWARDS = {}
 
 
 def _training_choice(query, key, value, mask, is_causal, scale, enable_gqa):
@@ -399,10 +399,10 @@ class _CheckpointCall:
     # (ops, attention output, saved tensors, scalars) from the first pass, until the recompute takes them.
     kept = None
     nbytes = 0
+    # The kept output's version counter when kept: a change in place since then would make the kept output wrong.
+    version = 0
     # What identifies the first pass's attention mask, for the recompute to compare.
     mask = None
-    # Selective checkpointing's caching and cached modes, where the checkpoint is non-reentrant.
-    selective = None
 
     def __init__(self, stash, function):
         self.stash = stash
@@ -410,12 +410,7 @@ class _CheckpointCall:
 
     def __call__(self, *args, **kwargs):
         passes = self.passes = self.passes + 1
-        if passes == 1:
-            if torch.is_grad_enabled():
-                # A checkpoint whose first pass runs with grad is non-reentrant: its recompute must save the very
-                # tensors the first pass saved, so the replay happens below autograd, by selective checkpointing.
-                self.selective = create_selective_checkpoint_contexts(_selective_policy)
-        elif passes > 2:
+        if passes > 2:
             raise RuntimeError(f"{_FEATURE} needs one backward per forward of {self.stash.name}, got a second "
                                f"backward through a retained graph (backward(retain_graph=True)): the first backward "
                                f"took the kept attention output. Sum the losses into one backward, or remove the "
@@ -438,7 +433,9 @@ class _CheckpointCall:
     def sdpa(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False):
         """F.scaled_dot_product_attention for the layer's attention call, with the arguments it got: the first pass
         runs the kernel F.sdpa would run and keeps its outputs, the recompute returns them from an autograd node whose
-        backward is that kernel's backward."""
+        backward is that kernel's backward. Under non-reentrant checkpointing, whose first pass records a graph, the
+        first pass applies the same node to the kernel's fresh outputs: the two nodes save the same tensors, so the
+        recompute's saves fill the first pass's, and the first pass's node runs the backward."""
         # This runs in both passes of every stashed layer: what an unmasked call without dropout needs comes first.
         if self.attended or dropout_p != 0.0 or attn_mask is not None or self.mask is not None:
             self._check_arguments(attn_mask, dropout_p)
@@ -451,13 +448,12 @@ class _CheckpointCall:
         ops = _BACKENDS.get((device_type, choice))
         if ops is None:
             _ops_for(device_type, choice)
-        if self.passes > 1 and (self.kept is None or self.kept[0] is not ops):
+        kept = self.kept
+        if self.passes > 1 and (kept is None or kept[0] is not ops):
             raise RuntimeError(f"{_FEATURE} needs one SDPA backend for both passes of {self.stash.name}, got "
-                               f"{self.kept[0].name if self.kept else 'none'} in the forward and {ops.name} in the "
+                               f"{kept[0].name if kept else 'none'} in the forward and {ops.name} in the "
                                f"recompute. Keep sdpa_kernel contexts and deterministic-algorithm settings the same "
                                f"for a forward and its backward.")
-        if self.selective is not None:
-            return self._selective_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         bias = None
         if attn_mask is not None:
             bias = ops.prepare_mask(attn_mask, query, key, value)
@@ -469,17 +465,44 @@ class _CheckpointCall:
             head_dim = query.shape[-1]
             scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
             query, key, value = (F.pad(t, (0, -t.shape[-1] % ops.head_dim_multiple)) for t in (query, key, value))
+        grad_enabled = torch.is_grad_enabled()
+        if grad_enabled and torch._C._are_functorch_transforms_active():
+            raise RuntimeError(f"{_FEATURE} needs the training forwards of {self.stash.name} to run under autograd "
+                               f"alone, got a torch.func transform (grad, vjp, vmap, jacrev). Remove the stash, or "
+                               f"take gradients with backward() rather than torch.func.")
         if self.passes == 1:
-            out, tensors, scalars = ops.kernel(query, key, value, bias, is_causal, scale)
-            self.kept = (ops, out, tensors, scalars)
+            if grad_enabled:
+                # The node, not the kernel, records this pass's graph.
+                torch._C._set_grad_enabled(False)
+                try:
+                    out, tensors, scalars = ops.kernel(query, key, value, bias, is_causal, scale)
+                finally:
+                    torch._C._set_grad_enabled(True)
+                # An alias for the call: the node's output, which it keeps, would tie the call to the graph.
+                self.kept = (ops, out.detach(), tensors, scalars)
+                out = ops.replay(query, key, value, bias, (ops, out, tensors, scalars), is_causal, scale)
+            else:
+                out, tensors, scalars = ops.kernel(query, key, value, bias, is_causal, scale)
+                self.kept = (ops, out, tensors, scalars)
+            self.version = out._version
             # The output and its log-sum-exp; the other saved tensors are scalars of a few bytes.
             self.stash.counters.add(self, out.nbytes + tensors[0].nbytes)
         else:
-            if torch._C._are_functorch_transforms_active():
-                raise RuntimeError(f"{_FEATURE} needs the recompute of {self.stash.name} to run under autograd alone, "
-                                   f"got a torch.func transform (grad, vjp, vmap, jacrev). Remove the stash, or take "
-                                   f"gradients with backward() rather than torch.func.")
-            out = ops.replay(query, key, value, bias, self, is_causal, scale)
+            if kept[1]._version != self.version:
+                raise RuntimeError(f"{_FEATURE} needs the attention output of {self.stash.name} unchanged from its "
+                                   f"forward to its recompute, got an in-place change of it (or of a view of it) in "
+                                   f"the forward. Change a copy of the attention output, or remove the stash from "
+                                   f"this layer.")
+            self.kept = None
+            try:
+                out = ops.replay(query, key, value, bias, kept, is_causal, scale)
+            except _StopRecomputationError:
+                # A non-reentrant checkpoint stops its recompute at its last save, which may be the node's.
+                self.stash.counters.served(self)
+                raise
+            except BaseException:
+                self.stash.counters.released(self)
+                raise
             self.stash.counters.served(self)
         return out[..., :head_dim] if head_dim else out
 
@@ -508,44 +531,11 @@ class _CheckpointCall:
                                f"(another tensor, shape or version): the kept output is the forward's. Do not change "
                                f"a mask in place between a forward and its backward.")
 
-    def _selective_sdpa(self, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
-        """F.sdpa itself, under selective checkpointing's caching mode in the first pass and its cached mode in the
-        recompute, entered around this one call: the kernel's outputs are kept below autograd, whose recomputed node
-        saves them as the first pass's did, as a non-reentrant checkpoint requires."""
-        if self.passes == 1:
-            with self.selective[0]:
-                out = _SDPA(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
-            return out
-        with self.selective[1]:
-            out = _SDPA(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
-        self.kept = None
-        self.stash.counters.served(self)
-        return out
-
     def __del__(self):
         # The checkpoint's graph was freed without the recompute: its forward had no backward.
         if self.kept is not None:
             self.kept = None
             self.stash.counters.released(self)
-
-
-def _selective_policy(context, op, *args, **kwargs):
-    """Selective checkpointing's policy in a stashed layer's attention call: keep the fused attention kernel's outputs
-    and count them for the current checkpoint call, recompute everything else. A function of the module rather than
-    a method, so that the call's modes do not hold the call."""
-    ops = _FUSED_FORWARDS.get(op)
-    if ops is None:
-        return CheckpointPolicy.PREFER_RECOMPUTE
-    if not context.is_recompute:
-        call = _state.call
-        outputs = getattr(context, "op_output", None)
-        # The output and its log-sum-exp, as the first pass of a reentrant checkpoint counts them. PyTorch hands the
-        # policy the outputs from 2.13; before, the planner's layout sizes them.
-        nbytes = (outputs[0].nbytes + outputs[1].nbytes if outputs is not None else ops.kept_bytes(
-            args[0].shape[0], args[0].shape[1], args[0].shape[2], args[0].shape[3], args[0].dtype))
-        call.kept = (ops, None, (), ())
-        call.stash.counters.add(call, nbytes)
-    return CheckpointPolicy.MUST_SAVE
 
 
 class _Counters:
@@ -584,8 +574,6 @@ class _LayerStash:
         self.active = True
         # The stored checkpoint function wrapped for the last read, while it is the one stored.
         self.wrapped = None
-        # The last checkpoint function whose settings passed _check_settings.
-        self.settings_checked = None
 
     def checkpoint(self, checkpoint_function, function, *args, **kwargs):
         """The layer's checkpoint function, as the stash hands it to Hugging Face's checkpointed call."""
@@ -598,24 +586,7 @@ class _LayerStash:
                                f"torch.compile, whose graphs would break around the stash's state in every stashed "
                                f"layer and whose gradients the stash cannot promise. Train the compiled model "
                                f"without the stash (handle.remove()), or the stashed model without torch.compile.")
-        if kwargs or checkpoint_function is not self.settings_checked:
-            self._check_settings(checkpoint_function, kwargs)
         return checkpoint_function(_CheckpointCall(self, function), *args, **kwargs)
-
-    def _check_settings(self, checkpoint_function, kwargs):
-        """Raise for checkpoint settings of the user's that the stash cannot serve; remembers a checkpoint function
-        whose own settings passed, so that the next call with it skips this. Hugging Face makes a new function for
-        each enable call; a partial's keywords edited in place are not seen again."""
-        settings = {**getattr(checkpoint_function, "keywords", {}), **kwargs}
-        if settings.get("context_fn") is not None or settings.get("debug"):
-            given = "context_fn" if settings.get("context_fn") is not None else "debug=True"
-            raise RuntimeError(
-                f"{_FEATURE} needs the checkpoint of {self.name} to run without a context_fn or debug of "
-                f"its own, got {given}: the stash keeps the attention output by selective "
-                f"checkpointing itself. Drop it from the checkpointing kwargs, or remove the stash from "
-                f"these layers.")
-        if not kwargs:
-            self.settings_checked = checkpoint_function
 
     def raise_outside_checkpoint(self):
         if torch._C._current_graph_task_id() != -1:
@@ -774,8 +745,6 @@ def _entry_points():
     if missing:
         raise RuntimeError(f"{_FEATURE} needs PyTorch 2.11 or newer and transformers 5.x, got an installation without "
                            f"{', '.join(missing)}.")
-    if not _FUSED_FORWARDS:
-        _FUSED_FORWARDS.update({getattr(aten, ops.ops[0]).default: ops for ops in _BACKENDS.values()})
     return GradientCheckpointingLayer, ALL_ATTENTION_FUNCTIONS
 
 
@@ -924,15 +893,14 @@ def _let_go(layer_class, attention_functions):
 
 
 def _checkpointing_mode(layer):
-    """How the stash will serve the layer's checkpoint, as far as its checkpoint function tells now."""
+    """The layer's checkpointing, as far as its checkpoint function tells now, and how the stash serves it."""
     function = layer.__dict__.get(_CHECKPOINT_FUNCTION)
     reentrant = getattr(function, "keywords", {}).get("use_reentrant")
     if not layer.gradient_checkpointing or reentrant is None:
-        return ("checkpointing not enabled yet: reentrant checkpoints will replay the kernel, non-reentrant ones keep "
-                "it by selective checkpointing")
-    if reentrant:
-        return "reentrant checkpointing: the recompute replays the kept output through the kernel's backward"
-    return "non-reentrant checkpointing: selective checkpointing keeps the kernel's outputs for the recompute"
+        mode = "checkpointing not enabled yet"
+    else:
+        mode = "reentrant checkpointing" if reentrant else "non-reentrant checkpointing"
+    return f"{mode}: the recompute replays the kept output through the kernel's backward, in either mode"
 
 
 class AttentionStashHandle:
@@ -999,12 +967,14 @@ def install_attention_stash(model: torch.nn.Module,
 
     ``model`` is a Hugging Face model loaded with ``attn_implementation="sdpa"`` and trained with per-layer activation
     checkpointing, with or without AutoEP. The stash takes hold of each stashed layer's checkpoint function, so it runs
-    inside each checkpointed call of the layer. Under reentrant checkpointing (the faster mode here), its first pass
-    calls the aten kernel that ``F.scaled_dot_product_attention`` would run and keeps its outputs (one attention output
-    plus its log-sum-exp); the recompute returns them from an autograd node whose backward is that kernel's backward,
-    so it skips the attention forward. Under non-reentrant checkpointing (transformers' default), PyTorch's selective
-    checkpointing keeps the kernel's outputs around the attention call. What a call keeps lives with its checkpoint's
-    graph: it is released when the recompute takes it, or when the graph is freed without a backward.
+    inside each checkpointed call of the layer. Its first pass calls the aten kernel that
+    ``F.scaled_dot_product_attention`` would run and keeps its outputs (one attention output plus its log-sum-exp); the
+    recompute returns them from an autograd node whose backward is that kernel's backward, so it skips the attention
+    forward. Reentrant and non-reentrant checkpointing (transformers' default) are served alike; under non-reentrant
+    checkpointing the first pass applies the same node, so that both passes save the same tensors, and a checkpoint's
+    own ``context_fn`` (a selective-checkpointing policy) or ``debug=True`` composes with the stash. What a call keeps
+    lives with its checkpoint's graph: it is released when the recompute takes it, or when the graph is freed without a
+    backward.
 
     Instead of ``num_layers``, pass ``memory_budget`` in bytes with ``micro_batch_size`` and ``sequence_length`` (and
     ``micro_batches_in_flight`` where a schedule keeps several): the stash then takes the most layers whose kept
@@ -1013,8 +983,8 @@ def install_attention_stash(model: torch.nn.Module,
 
     Forwards without a backward (``torch.no_grad()``, eval mode, generation) run stock sdpa and keep nothing. What the
     stash cannot serve raises instead of falling back: attention dropout, a training forward outside a checkpoint or
-    under ``torch.compile``, a recompute under a ``torch.func`` transform, an SDPA backend without an exact replay, a
-    second install on a layer, a second backward through a retained graph.
+    under ``torch.compile`` or a ``torch.func`` transform, an SDPA backend without an exact replay, an attention output
+    changed in place in the forward, a second install on a layer, a second backward through a retained graph.
 
     Returns an ``AttentionStashHandle``; its ``remove()`` uninstalls the stash.
     """

@@ -4,6 +4,7 @@
 """Tiny Hugging Face MoE models and helpers shared by the attention stash tests and their two-rank script."""
 
 import gc
+import socket
 from collections import Counter
 
 import torch
@@ -53,6 +54,13 @@ def mistral_model(dtype=torch.float32, **overrides):
 
 
 MODELS = {"mixtral": mixtral_model, "qwen3_moe": qwen3_moe_model}
+
+
+def free_port():
+    """A TCP port on the loopback that nothing listens on now: a fixed rendezvous port collides with a second run."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return str(probe.getsockname()[1])
 
 
 def checkpointed(model, use_reentrant=True, **checkpoint_kwargs):

@@ -21,8 +21,8 @@ from deepspeed.runtime.activation_checkpointing import attention_stash
 from deepspeed.runtime.activation_checkpointing.attention_stash import install_attention_stash
 
 from attention_stash_helpers import (CPU_BACKWARD, CPU_FORWARD, MODELS, NUM_LAYERS, CountOps, assert_same_grads,
-                                     batch_ids, checkpointed, kept_outputs, mixtral_model, param_grads,
-                                     qwen3_moe_model, stashed_train_step, train_step)
+                                     batch_ids, checkpointed, free_port, kept_outputs, llama_model, mixtral_model,
+                                     param_grads, qwen3_moe_model, stashed_train_step, train_step)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -396,6 +396,31 @@ def test_rejects_backend_change_between_passes(install, monkeypatch, use_reentra
         loss.backward()
 
 
+@pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non_reentrant"])
+def test_rejects_an_in_place_change_of_the_attention_output(install, use_reentrant):
+    """The kept output is the forward's own tensor: a change in place of it, or of a view of it, after the attention
+    call in the forward alone would make the replayed gradients silently wrong (autograd sees no saved tensor change
+    in the recompute). The recompute raises instead, and releases what it kept."""
+    model = checkpointed(llama_model(), use_reentrant=use_reentrant)
+    handle = install(model, NUM_LAYERS)
+    changes = []
+
+    def change_once(module, args):
+        # o_proj's input is a view of the attention output; only the forward changes it.
+        if not changes:
+            changes.append(args[0].mul_(2.0))
+
+    model.model.layers[-1].self_attn.o_proj.register_forward_pre_hook(change_once)
+    loss = model(input_ids=batch_ids(), labels=batch_ids()).loss
+    with pytest.raises(RuntimeError,
+                       match="needs the attention output of model.layers.2 unchanged from its forward to its "
+                       "recompute, got an in-place change of it"):
+        loss.backward()
+    del loss, changes
+    gc.collect()
+    assert (handle.num_kept, handle.kept_bytes, handle.released_without_backward) == (0, 0, NUM_LAYERS)
+
+
 def test_rejects_recompute_without_kept_output(install):
     model = checkpointed(mixtral_model())
     handle = install(model, 1)
@@ -508,12 +533,16 @@ def _left_padding_mask(batch, sequence, device):
     return mask
 
 
+def _bare_call():
+    counters = attention_stash._Counters()
+    return attention_stash._CheckpointCall(
+        attention_stash._LayerStash("attention", torch.nn.Linear(1, 1), None, counters), None), counters
+
+
 def _replay(query, key, value, mask, gqa, leaves):
     """One attention call through a checkpoint call object, as a stashed layer makes it: the first pass without grad
     keeps the kernel's outputs, the recompute on fresh leaves returns them from the stash's autograd node."""
-    counters = attention_stash._Counters()
-    call = attention_stash._CheckpointCall(
-        attention_stash._LayerStash("attention", torch.nn.Linear(1, 1), None, counters), None)
+    call, counters = _bare_call()
     arguments = dict(attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
     call.passes = 1
     with torch.no_grad():
@@ -530,20 +559,31 @@ def test_rejects_a_recompute_under_a_torch_func_transform():
     """The recompute's node is applied without autograd.Function.apply's functorch handling: under a torch.func
     transform the stash raises, serves nothing, and its kept output is released with the call."""
     query, key, value = (torch.randn(1, 4, 8, 8) for _ in range(3))
-    counters = attention_stash._Counters()
-    call = attention_stash._CheckpointCall(
-        attention_stash._LayerStash("attention", torch.nn.Linear(1, 1), None, counters), None)
+    call, counters = _bare_call()
     call.passes = 1
     with torch.no_grad():
         call.sdpa(query, key, value, is_causal=True)
     call.passes, call.attended = 2, False
     with pytest.raises(RuntimeError,
-                       match="needs the recompute of attention to run under autograd alone, got a "
+                       match="needs the training forwards of attention to run under autograd alone, got a "
                        "torch.func transform"):
         torch.func.grad(lambda query: call.sdpa(query, key, value, is_causal=True).sum())(query.clone())
     assert (counters.kept, counters.recomputes_served) == (1, 0)
     call = None
     assert (counters.kept, counters.kept_bytes, counters.released_without_backward) == (0, 0, 1)
+
+
+def test_rejects_a_first_pass_with_grad_under_a_torch_func_transform():
+    """A non-reentrant checkpoint's first pass applies the node too: under a torch.func transform it raises before
+    keeping anything."""
+    query, key, value = (torch.randn(1, 4, 8, 8) for _ in range(3))
+    call, counters = _bare_call()
+    call.passes = 1
+    with pytest.raises(RuntimeError,
+                       match="needs the training forwards of attention to run under autograd alone, got a "
+                       "torch.func transform"):
+        torch.func.grad(lambda query: call.sdpa(query, key, value, is_causal=True).sum())(query.clone())
+    assert (counters.kept, counters.kept_bytes, call.kept) == (0, 0, None)
 
 
 REPLAY_CASES = [("cpu", SDPBackend.FLASH_ATTENTION)] + [("cuda", backend) for backend in CUDA_BACKENDS]
@@ -656,7 +696,7 @@ def test_autoep_engine_step_with_and_without_the_stash(install):
         pytest.skip("DeepSpeed 0.19.8's AutoEP fails in deepspeed.initialize with transformers >= 5.23; CI runs this "
                     "test under transformers 5.22.2")
     for variable, default in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
-                              ("MASTER_PORT", "29511")):
+                              ("MASTER_PORT", free_port())):
         os.environ.setdefault(variable, default)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     config = {

@@ -127,7 +127,8 @@ def test_report_calls_a_saving_beyond_the_attention_forward_noisy(bench):
 
 
 def test_host_benchmark_runs_and_counts_what_it_served(capsys):
-    """Bookkeeping only: the host benchmark's few pairs run, every recompute is served, the table comes out."""
+    """Bookkeeping only: the host benchmark's few pairs run in both modes, every recompute is served, the tables and
+    the modes' comparison come out."""
     sys.path.insert(0, BENCHMARKS)
     try:
         import attention_stash_host
@@ -135,12 +136,18 @@ def test_host_benchmark_runs_and_counts_what_it_served(capsys):
     finally:
         sys.path.remove(BENCHMARKS)
     out = capsys.readouterr().out
-    for part in ("all 8 stashed: step", "first pass", "recompute", "backward other", "4 unstashed layers pay"):
-        assert part in out
-    assert "host cost of the stash:" in out
-    # The profile: plain runs F.sdpa's kernel in both passes; the stash runs it once and replays it in its node.
-    # Each row: a part, then per model "<calls> x, <microseconds>" or "-".
-    rows = {line[:34].strip(): line[34:].split() for line in out.splitlines()[-5:]}
-    assert rows["fused forward kernel"][0:4:3] == ["2", "1"]
-    assert rows["stash's recompute node"][:2] == ["-", "1"]
-    assert rows["attention node in the backward"][0:4:3] == ["1", "1"]
+    for mode in ("reentrant", "non-reentrant"):
+        section = out.partition(f"\n{mode} checkpointing: plain step")[2]
+        for part in ("all 8 stashed: step", "first pass", "recompute", "backward other", "4 unstashed layers pay"):
+            assert part in section
+        assert f"host cost of the stash, {mode}:" in section
+    assert "non-reentrant against reentrant: " in out and "times target" in out
+    # The profiles: plain runs F.sdpa's kernel in both passes; the stash runs it once and replays it in its node, which
+    # a non-reentrant checkpoint's first pass applies too. Each row: a part, then per model "<calls> x, <us>" or "-".
+    profiles = out.split("\nattention's own work per layer and step")[1:]
+    assert len(profiles) == 2
+    for profile, node_calls in zip(profiles, ("1", "2")):
+        rows = {line[:34].strip(): line[34:].split() for line in profile.splitlines()[3:8]}
+        assert rows["fused forward kernel"][0:4:3] == ["2", "1"]
+        assert rows["stash's node"][:2] == ["-", node_calls]
+        assert rows["attention node in the backward"][0:4:3] == ["1", "1"]

@@ -19,12 +19,12 @@ import transformers
 
 from deepspeed.runtime.activation_checkpointing.attention_stash import install_attention_stash
 
-from attention_stash_helpers import (CPU_FORWARD, NUM_LAYERS, CountOps, batch_ids, checkpointed, mixtral_model,
-                                     qwen3_moe_model)
+from attention_stash_helpers import (CPU_FORWARD, NUM_LAYERS, CountOps, batch_ids, checkpointed, free_port,
+                                     mixtral_model, qwen3_moe_model)
 
 # One process group for the whole module, as deepspeed.initialize makes it from these on first use.
 for _variable, _default in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
-                            ("MASTER_PORT", "29521")):
+                            ("MASTER_PORT", free_port())):
     os.environ.setdefault(_variable, _default)
 
 AUTOEP_BROKEN = tuple(int(part) for part in transformers.__version__.split(".")[:2]) >= (5, 23)
@@ -195,14 +195,12 @@ def test_autoep_two_ranks(tmp_path):
         for name, value in os.environ.items()
         if name not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     }
-    result = subprocess.run([
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29561", script,
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+        free_port(), script,
         str(tmp_path)
-    ],
-                            env=environment,
-                            capture_output=True,
-                            text=True,
-                            timeout=600)
+    ]
+    result = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     reports = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
     assert sorted(report["rank"] for report in reports) == [0, 1]

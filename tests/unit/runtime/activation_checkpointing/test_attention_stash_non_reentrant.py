@@ -1,11 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""The stash under transformers' default, non-reentrant checkpointing: selective checkpointing of the attention call.
+"""The stash under transformers' default, non-reentrant checkpointing.
 
-The same install serves both modes; here every comparison is against plain non-reentrant checkpointing, bitwise on
-CPU, counting that the stashed layers' recomputes run no attention forward kernel and that each was served. CI runs
-them on both checkpoint layouts of transformers.
+The same install and the same autograd node serve both modes: in a non-reentrant checkpoint's first pass the node is
+applied to the kernel's fresh outputs, and in its recompute to the kept ones, so the checkpoint matches the two passes'
+saved tensors. Here every comparison is against plain non-reentrant checkpointing with the same settings, bitwise on
+CPU, counting that the stashed layers' recomputes run no attention forward kernel and that each was served: a user's
+own selective-checkpointing policy (context_fn), debug=True, and a checkpoint that stops its recompute at the node's
+saves. CI runs them on both checkpoint layouts of transformers.
 """
 
 import gc
@@ -102,36 +105,76 @@ def test_second_backward_through_a_retained_graph_names_it(install):
         loss.backward()
 
 
-@pytest.mark.parametrize("given", ["context_fn", "debug"])
-def test_rejects_a_checkpoint_with_its_own_context_fn_or_debug(install, given):
+def _assert_served_as_plain(model, num_layers, install, **inputs):
+    """A step of ``model`` without and then with the stash on its last ``num_layers`` layers: the same loss and
+    gradients, bitwise, no attention forward kernel in the stashed layers' recomputes, each of them served."""
+    expected_loss, expected, plain_calls = counted_step(model, **inputs)
+    handle = install(model, num_layers)
+    loss, grads, calls = counted_step(model, **inputs)
+    # A policy that keeps the kernel leaves none to skip.
+    assert calls[CPU_FORWARD] == max(plain_calls[CPU_FORWARD] - num_layers, 0)
+    assert (handle.recomputes_served, handle.num_kept, handle.released_without_backward) == (num_layers, 0, 0)
+    assert torch.equal(loss, expected_loss)
+    assert_same_grads(grads, expected)
+    return handle, plain_calls, calls
+
+
+def _matmuls_saved():
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-    extra = {
-        "context_fn": lambda: create_selective_checkpoint_contexts([])
-    } if given == "context_fn" else {
-        "debug": True
-    }
-    model = checkpointed(mixtral_model(), use_reentrant=False, **extra)
-    install(model, 1)
-    expected = "context_fn" if given == "context_fn" else "debug=True"
-    with pytest.raises(RuntimeError,
-                       match=f"needs the checkpoint of model.layers.2 to run without a context_fn or debug of its "
-                       f"own, got {expected}"):
-        model(input_ids=batch_ids(), labels=batch_ids())
+    # A policy as axolotl and torchtitan build them: keep the matmuls' outputs, recompute the rest.
+    return create_selective_checkpoint_contexts([torch.ops.aten.mm.default, torch.ops.aten.addmm.default])
 
 
-def test_checks_a_checkpoint_function_set_after_a_served_step(install):
-    """The stash checks a layer's checkpoint settings once per checkpoint function: one set after a served step, with
-    debug=True (PyTorch takes it only without reentrant checkpointing), is checked again."""
+def test_composes_with_a_selective_checkpointing_policy(install):
+    """A checkpoint's own context_fn runs around the stash: its policy keeps the matmuls, the stash the attention."""
+    ids = batch_ids()
+    without_policy = counted_step(_non_reentrant(llama_model()), input_ids=ids, labels=ids)[2]
+    model = checkpointed(llama_model(), use_reentrant=False, context_fn=_matmuls_saved)
+    _, plain_calls, calls = _assert_served_as_plain(model, NUM_LAYERS, install, input_ids=ids, labels=ids)
+    # The policy is in force in the stashed model: its recomputes run no matmul forward it kept.
+    assert calls["mm.default"] == plain_calls["mm.default"] < without_policy["mm.default"]
+
+
+def test_a_policy_that_keeps_the_attention_kernel_too(install):
+    """A policy that also keeps the attention kernel's outputs holds the very tensors the stash keeps; the stash's
+    node serves the recompute, and the bytes it counts are the output and log-sum-exp once."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    kernel = getattr(torch.ops.aten, CPU_FORWARD.partition(".")[0]).default
+    model = checkpointed(llama_model(),
+                         use_reentrant=False,
+                         context_fn=lambda: create_selective_checkpoint_contexts([kernel]))
+    ids = batch_ids()
+    handle, plain_calls, _ = _assert_served_as_plain(model, NUM_LAYERS, install, input_ids=ids, labels=ids)
+    # The policy is in force: without the stash, no recompute runs the kernel.
+    assert plain_calls[CPU_FORWARD] == 0
+    assert handle.peak_kept_bytes == NUM_LAYERS * attention_stash.attention_stash_layer_bytes(model, 2, 32, device="cpu")
+
+
+def test_debug_checkpoint_is_served(install):
+    """debug=True (PyTorch takes it only without reentrant checkpointing) records every op of both passes for its
+    error messages; the stash serves it, also when it is enabled after a served step."""
     model = _non_reentrant(mixtral_model())
-    handle = install(model, 1)
-    model(input_ids=batch_ids(), labels=batch_ids()).loss.backward()
-    assert handle.recomputes_served == 1
+    ids = batch_ids()
+    handle, _, _ = _assert_served_as_plain(model, 1, install, input_ids=ids, labels=ids)
     checkpointed(model, use_reentrant=False, debug=True)
-    with pytest.raises(RuntimeError,
-                       match="needs the checkpoint of model.layers.2 to run without a context_fn or "
-                       "debug of its own, got debug=True"):
-        model(input_ids=batch_ids(), labels=batch_ids())
+    handle.remove()
+    _assert_served_as_plain(model, 1, install, input_ids=ids, labels=ids)
+
+
+def test_recompute_that_stops_at_the_nodes_saves(install):
+    """A non-reentrant checkpoint stops its recompute at its last saved tensor. In a layer whose attention node saves
+    last (no projection, norm or MLP after it), that stop is raised from the node's saves: the recompute was served,
+    and the counters balance."""
+    model = _non_reentrant(llama_model())
+    layer = model.model.layers[-1]
+    layer.self_attn.o_proj = layer.post_attention_layernorm = layer.mlp = torch.nn.Identity()
+    ids = batch_ids()
+    handle, _, _ = _assert_served_as_plain(model, NUM_LAYERS, install, input_ids=ids, labels=ids)
+    assert handle.kept_bytes == 0
+    gc.collect()
+    assert not live_checkpoint_calls()
 
 
 def test_dropout_and_math_still_raise(install):
