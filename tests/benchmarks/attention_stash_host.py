@@ -7,10 +7,11 @@ On a tiny Llama (8 layers, hidden 32, sequence 8) the kernels cost next to nothi
 work. Steps of a plain model and of the same model with the stash alternate, in pairs, on one thread, under reentrant
 and non-reentrant checkpointing (transformers' default), the two modes' pairs interleaved; the median of the paired
 differences, divided by the stashed layers, is the stash's host cost per stashed layer and step, and the two modes'
-costs are compared with the spread their quartiles allow. Timers around each layer's checkpointed function split it: the first pass, the recompute, and the rest of
-the backward. A partly stashed model shows what its unstashed layers pay: they must stay within noise of plain. Times
-are the thread's CPU time (time.thread_time), which a descheduled process does not accumulate; the quartiles of the
-paired differences are the noise, and a median outside them is not a result.
+costs are compared with the spread their quartiles allow. Timers around each layer's checkpointed function split it:
+the first pass, the recompute, and the rest of the backward. A partly stashed model shows what its unstashed layers
+pay: they must stay within noise of plain. Times are the thread's CPU time (time.thread_time), which a descheduled
+process does not accumulate; the quartiles of the paired differences are the noise, and a median outside them is not
+a result.
 
     python tests/benchmarks/attention_stash_host.py                          # both modes, 200 pairs, about a minute
     python tests/benchmarks/attention_stash_host.py --mode non-reentrant     # transformers' default checkpointing only

@@ -408,7 +408,8 @@ def test_rejects_an_in_place_change_of_the_attention_output(install, use_reentra
     def change_once(module, args):
         # o_proj's input is a view of the attention output; only the forward changes it.
         if not changes:
-            changes.append(args[0].mul_(2.0))
+            args[0].mul_(2.0)
+            changes.append(module)
 
     model.model.layers[-1].self_attn.o_proj.register_forward_pre_hook(change_once)
     loss = model(input_ids=batch_ids(), labels=batch_ids()).loss
@@ -416,7 +417,7 @@ def test_rejects_an_in_place_change_of_the_attention_output(install, use_reentra
                        match="needs the attention output of model.layers.2 unchanged from its forward to its "
                        "recompute, got an in-place change of it"):
         loss.backward()
-    del loss, changes
+    del loss
     gc.collect()
     assert (handle.num_kept, handle.kept_bytes, handle.released_without_backward) == (0, 0, NUM_LAYERS)
 

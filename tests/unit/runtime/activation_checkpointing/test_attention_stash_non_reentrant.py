@@ -149,7 +149,8 @@ def test_a_policy_that_keeps_the_attention_kernel_too(install):
     handle, plain_calls, _ = _assert_served_as_plain(model, NUM_LAYERS, install, input_ids=ids, labels=ids)
     # The policy is in force: without the stash, no recompute runs the kernel.
     assert plain_calls[CPU_FORWARD] == 0
-    assert handle.peak_kept_bytes == NUM_LAYERS * attention_stash.attention_stash_layer_bytes(model, 2, 32, device="cpu")
+    assert handle.peak_kept_bytes == NUM_LAYERS * attention_stash.attention_stash_layer_bytes(
+        model, 2, 32, device="cpu")
 
 
 def test_debug_checkpoint_is_served(install):
