@@ -7,11 +7,11 @@ On a tiny Llama (8 layers, hidden 32, sequence 8) the kernels cost next to nothi
 work. Steps of a plain model and of the same model with the stash alternate, in pairs, on one thread, under reentrant
 and non-reentrant checkpointing (transformers' default), the two modes' pairs interleaved; the median of the paired
 differences, divided by the stashed layers, is the stash's host cost per stashed layer and step, and the two modes'
-costs are compared with the spread their quartiles allow. Timers around each layer's checkpointed function split it:
-the first pass, the recompute, and the rest of the backward. A partly stashed model shows what its unstashed layers
-pay: they must stay within noise of plain. Times are the thread's CPU time (time.thread_time), which a descheduled
-process does not accumulate; the quartiles of the paired differences are the noise, and a median outside them is not
-a result.
+costs are compared within the 95% confidence intervals of their medians. Timers around each layer's checkpointed
+function split it: the first pass, the recompute, and the rest of the backward. A partly stashed model shows what its
+unstashed layers pay: they must stay within noise of plain. Times are the thread's CPU time (time.thread_time), which
+a descheduled process does not accumulate; the quartiles of the paired differences are the noise, and a median outside
+them is not a result.
 
     python tests/benchmarks/attention_stash_host.py                          # both modes, 200 pairs, about a minute
     python tests/benchmarks/attention_stash_host.py --mode non-reentrant     # transformers' default checkpointing only
@@ -25,6 +25,7 @@ the backward. The profiler's own cost is in those figures.
 
 import argparse
 import gc
+import math
 import os
 import statistics
 import sys
@@ -175,9 +176,17 @@ def _paired(comparisons, ids, pairs):
             for part in a:
                 parts.setdefault(part, []).append((b[part] - a[part]) * 1e6)
     return [{
-        part: (statistics.median(values), *statistics.quantiles(values, n=4)[::2])
+        part: (statistics.median(values), *statistics.quantiles(values, n=4)[::2], *_median_interval(values))
         for part, values in parts.items()
     } for parts in differences]
+
+
+def _median_interval(values):
+    """A distribution-free 95% confidence interval of the median: the order statistics about n/2 +- 0.98 sqrt(n)."""
+    ordered = sorted(values)
+    reach = math.ceil(0.98 * math.sqrt(len(ordered)))
+    middle = len(ordered) // 2
+    return ordered[max(middle - reach, 0)], ordered[min(middle + reach, len(ordered) - 1)]
 
 
 class _Mode:
@@ -201,10 +210,10 @@ def _report(mode, plain_step, full_cost, half_cost, target):
     print(header)
     print("-" * len(header))
     for part in ("step", "first pass", "recompute", "backward other"):
-        median, low, high = (value / LAYERS for value in full_cost[part])
+        median, low, high = (value / LAYERS for value in full_cost[part][:3])
         print(f"{'all 8 stashed: ' + part:<44}{median:>10.1f}{f'{low:.1f} to {high:.1f}':>22}")
     # The half-stashed model: its stashed layers should cost what the fully stashed model's do, and the rest nothing.
-    median, low, high = (value / (LAYERS // 2) for value in half_cost["step"])
+    median, low, high = (value / (LAYERS // 2) for value in half_cost["step"][:3])
     print(f"{'4 of 8 stashed: step, per stashed layer':<44}{median:>10.1f}{f'{low:.1f} to {high:.1f}':>22}")
     unstashed = (half_cost["step"][0] - LAYERS // 2 * full_cost["step"][0] / LAYERS) / (LAYERS // 2)
     noise = (full_cost["step"][2] - full_cost["step"][1]) / LAYERS
@@ -261,14 +270,15 @@ def main(argv=None):
     for index, mode in enumerate(modes):
         _report(mode.mode, plain_steps[index], costs[2 * index], costs[2 * index + 1], args.target)
     if len(modes) == 2:
-        (reentrant, low_r, high_r), (non_reentrant, low_n, high_n) = (costs[0]["step"], costs[2]["step"])
+        (reentrant, *_, low_r, high_r), (non_reentrant, *_, low_n, high_n) = costs[0]["step"], costs[2]["step"]
         ratio = non_reentrant / reentrant
-        # The ratio's spread from the quartiles of both: the lowest and highest ratio they allow.
-        low, high = (low_n / high_r, high_n / low_r) if low_r > 0 else (float("nan"), float("nan"))
+        # The lowest and highest ratio the two medians' 95% intervals allow.
+        low, high = (low_n / high_r, high_n / low_r) if low_r > 0 else (math.nan, math.nan)
         verdict = ("within" if high <= args.ratio_target else
                    "over" if low > args.ratio_target else "UNRESOLVED by the noise against")
         print(f"\nnon-reentrant against reentrant: {ratio:.2f} times the host cost per stashed layer and step "
-              f"({low:.2f} to {high:.2f} from the quartiles): {verdict} the {args.ratio_target:.1f} times target")
+              f"({low:.2f} to {high:.2f} from the medians' 95% intervals): {verdict} the {args.ratio_target:.1f} "
+              f"times target")
     if args.profile:
         for mode in modes:
             print(f"\n{mode.mode} checkpointing:")
