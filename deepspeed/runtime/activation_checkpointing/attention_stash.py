@@ -67,10 +67,10 @@ class _StashedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, key, value, mask, kept, is_causal, scale):
-        # ``kept`` is (ops, output, saved tensors, scalars) of the kernel: in a recompute, what the first pass kept; in
-        # the first pass of a non-reentrant checkpoint, the kernel's fresh outputs, so that the node saves the same
-        # tensors, in the same order, in both passes, as the checkpoint matches them.
-        _, out, tensors, scalars = kept
+        # ``kept`` starts with (ops, output, saved tensors, scalars) of the kernel: in a recompute, what the first pass
+        # kept; in the first pass of a non-reentrant checkpoint, the kernel's fresh outputs, so that the node saves the
+        # same tensors, in the same order, in both passes, as the checkpoint matches them.
+        out, tensors, scalars = kept[1], kept[2], kept[3]
         ctx.save_for_backward(query, key, value, mask, out, *tensors)
         ctx.scalars, ctx.is_causal, ctx.scale = scalars, is_causal, scale
         return out
@@ -390,19 +390,22 @@ class _CheckpointCall:
 
     The stash hands it to the layer's checkpoint function in place of the layer's function, so the checkpoint runs
     it in both of its passes, the first forward and the recompute in the backward, and holds it exactly as long as its
-    graph. What its first pass keeps lives in it: released when the recompute takes it, or with the graph.
+    graph. What its first pass keeps of each attention call lives in it, in call order: released when the recompute's
+    call of the same index takes it, or with the graph.
     """
 
     # Class defaults, so that the one object made per checkpointed call sets only its first two attributes.
     passes = 0
-    attended = False
-    # (ops, attention output, saved tensors, scalars) from the first pass, until the recompute takes them.
-    kept = None
-    nbytes = 0
-    # The kept output's version counter when kept: a change in place since then would make the kept output wrong.
-    version = 0
-    # What identifies the first pass's attention mask, for the recompute to compare.
-    mask = None
+    # Attention calls made so far in the current pass: the index of the next one.
+    calls = 0
+    # For each attention call of the first pass, until the recompute takes it: (ops, attention output, saved tensors,
+    # scalars, bytes counted, the output's version counter when kept).
+    kept = ()
+    # What identifies each call's attention mask in the first pass, for the recompute to compare; None without masks.
+    masks = None
+    # Whether the first pass recorded the stash's node in the graph (non-reentrant checkpointing), until the recompute
+    # ran: then only the stash's node can fill that node's saved tensors, even after the stash's removal.
+    recorded = False
 
     def __init__(self, stash, function):
         self.stash = stash
@@ -410,36 +413,50 @@ class _CheckpointCall:
 
     def __call__(self, *args, **kwargs):
         passes = self.passes = self.passes + 1
-        if passes > 2:
+        if passes == 1:
+            self.kept = []
+        elif passes > 2:
             raise RuntimeError(f"{_FEATURE} needs one backward per forward of {self.stash.name}, got a second "
                                f"backward through a retained graph (backward(retain_graph=True)): the first backward "
                                f"took the kept attention output. Sum the losses into one backward, or remove the "
                                f"stash for such steps.")
-        self.attended = False
+        elif not self.stash.active and not self.recorded:
+            # Removed between the forward and this recompute, which runs stock attention: what was kept goes now.
+            self._release()
+        self.calls = 0
         previous = _state.call
         _state.call = self
         try:
             outputs = self.function(*args, **kwargs)
         finally:
             _state.call = previous
-        if not self.attended and self.stash.active:
+            if passes == 2 and self.recorded:
+                self._unrecord()
+        if not self.calls and self.stash.active:
             implementation = self.stash.config._attn_implementation
             raise RuntimeError(f'{_FEATURE} needs {self.stash.name} to call attention with attn_implementation="sdpa" '
                                f'in each forward, got a forward without an sdpa call (attn_implementation '
                                f'"{implementation}"). Remove the stash before switching the attention '
                                f'implementation, and stash only layers with softmax attention.')
+        # A recompute that was to be served: one that runs stock after a removal has had its kept entries released.
+        if passes == 2 and self.calls != len(self.kept) and (self.stash.active or self.kept):
+            raise RuntimeError(f"{_FEATURE} needs the recompute of {self.stash.name} to make its forward's "
+                               f"{len(self.kept)} attention calls, got {self.calls}. Keep a layer's attention calls "
+                               f"the same from a forward to its backward, or remove the stash from this layer.")
         return outputs
 
     def sdpa(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False):
-        """F.scaled_dot_product_attention for the layer's attention call, with the arguments it got: the first pass
-        runs the kernel F.sdpa would run and keeps its outputs, the recompute returns them from an autograd node whose
-        backward is that kernel's backward. Under non-reentrant checkpointing, whose first pass records a graph, the
-        first pass applies the same node to the kernel's fresh outputs: the two nodes save the same tensors, so the
-        recompute's saves fill the first pass's, and the first pass's node runs the backward."""
+        """F.scaled_dot_product_attention for one attention call of the layer, with the arguments it got: the first
+        pass runs the kernel F.sdpa would run and keeps its outputs, the recompute's call of the same index returns
+        them from an autograd node whose backward is that kernel's backward. Under non-reentrant checkpointing, whose
+        first pass records a graph, the first pass applies the same node to the kernel's fresh outputs: the two nodes
+        save the same tensors, so the recompute's saves fill the first pass's, and the first pass's node runs the
+        backward."""
+        index = self.calls
+        self.calls = index + 1
         # This runs in both passes of every stashed layer: what an unmasked call without dropout needs comes first.
-        if self.attended or dropout_p != 0.0 or attn_mask is not None or self.mask is not None:
-            self._check_arguments(attn_mask, dropout_p)
-        self.attended = True
+        if dropout_p != 0.0 or attn_mask is not None or self.masks is not None:
+            self._check_arguments(attn_mask, dropout_p, index)
         if torch._C._is_any_autocast_enabled():
             query, key, value = _autocast_inputs(query, key, value)
         choice = _training_choice(query, key, value, attn_mask, is_causal, scale, enable_gqa)
@@ -449,11 +466,14 @@ class _CheckpointCall:
         if ops is None:
             _ops_for(device_type, choice)
         kept = self.kept
-        if self.passes > 1 and (kept is None or kept[0] is not ops):
-            raise RuntimeError(f"{_FEATURE} needs one SDPA backend for both passes of {self.stash.name}, got "
-                               f"{kept[0].name if kept else 'none'} in the forward and {ops.name} in the "
-                               f"recompute. Keep sdpa_kernel contexts and deterministic-algorithm settings the same "
-                               f"for a forward and its backward.")
+        if self.passes > 1:
+            entry = kept[index] if index < len(kept) else None
+            if entry is None or entry[0] is not ops:
+                raise RuntimeError(f"{_FEATURE} needs one SDPA backend for both passes of {self.stash.name}, got "
+                                   f"{entry[0].name if entry else 'none'} in the forward and {ops.name} in the "
+                                   f"recompute (attention call {index + 1}). Keep sdpa_kernel contexts, "
+                                   f"deterministic-algorithm settings and a layer's attention calls the same for a "
+                                   f"forward and its backward.")
         bias = None
         if attn_mask is not None:
             bias = ops.prepare_mask(attn_mask, query, key, value)
@@ -478,40 +498,42 @@ class _CheckpointCall:
                     out, tensors, scalars = ops.kernel(query, key, value, bias, is_causal, scale)
                 finally:
                     torch._C._set_grad_enabled(True)
+                # The output and its log-sum-exp; the other saved tensors are scalars of a few bytes.
+                nbytes = out.nbytes + tensors[0].nbytes
                 # An alias for the call: the node's output, which it keeps, would tie the call to the graph.
-                self.kept = (ops, out.detach(), tensors, scalars)
+                kept.append((ops, out.detach(), tensors, scalars, nbytes, out._version))
+                self.stash.counters.add(nbytes)
+                if not self.recorded:
+                    self.recorded = True
+                    _RECORDED.add(self)
                 out = ops.replay(query, key, value, bias, (ops, out, tensors, scalars), is_causal, scale)
             else:
                 out, tensors, scalars = ops.kernel(query, key, value, bias, is_causal, scale)
-                self.kept = (ops, out, tensors, scalars)
-            self.version = out._version
-            # The output and its log-sum-exp; the other saved tensors are scalars of a few bytes.
-            self.stash.counters.add(self, out.nbytes + tensors[0].nbytes)
+                nbytes = out.nbytes + tensors[0].nbytes
+                kept.append((ops, out, tensors, scalars, nbytes, out._version))
+                self.stash.counters.add(nbytes)
         else:
-            if kept[1]._version != self.version:
+            if entry[1]._version != entry[5]:
                 raise RuntimeError(f"{_FEATURE} needs the attention output of {self.stash.name} unchanged from its "
                                    f"forward to its recompute, got an in-place change of it (or of a view of it) in "
                                    f"the forward. Change a copy of the attention output, or remove the stash from "
                                    f"this layer.")
-            self.kept = None
+            kept[index] = None
             try:
-                out = ops.replay(query, key, value, bias, kept, is_causal, scale)
+                out = ops.replay(query, key, value, bias, entry, is_causal, scale)
             except _StopRecomputationError:
                 # A non-reentrant checkpoint stops its recompute at its last save, which may be the node's.
-                self.stash.counters.served(self)
+                self.stash.counters.served(entry[4])
                 raise
             except BaseException:
-                self.stash.counters.released(self)
+                self.stash.counters.released(entry[4])
                 raise
-            self.stash.counters.served(self)
+            self.stash.counters.served(entry[4])
         return out[..., :head_dim] if head_dim else out
 
-    def _check_arguments(self, attn_mask, dropout_p):
-        """The guards of an attention call that is a second one, has dropout or has a mask (or had one in the first
-        pass); a mask is remembered by the first pass and compared by the recompute."""
-        if self.attended:
-            raise RuntimeError(f"{_FEATURE} needs one attention call per forward of {self.stash.name}, got a second "
-                               f"one. Remove the stash from layers that call attention more than once.")
+    def _check_arguments(self, attn_mask, dropout_p, index):
+        """The guards of an attention call that has dropout or a mask (or whose layer had a mask in the first pass);
+        each call's mask is remembered by the first pass and compared by the recompute's call of the same index."""
         if dropout_p != 0.0:
             raise RuntimeError(f"{_FEATURE} needs attention dropout 0 in {self.stash.name}, got {dropout_p}. Set the "
                                f"model config's attention_dropout to 0.0, or remove the stash.")
@@ -523,43 +545,58 @@ class _CheckpointCall:
                                    f"attention biases.")
             # While the checkpoint holds a mask no other tensor has its data pointer; the version counts changes.
             mask = attn_mask.data_ptr(), attn_mask.shape, attn_mask.stride(), attn_mask.dtype, attn_mask._version
+        masks = self.masks
         if self.passes == 1:
-            self.mask = mask
-        elif mask != self.mask:
+            if masks is None:
+                masks = self.masks = [None] * index
+            masks.append(mask)
+            return
+        expected = masks[index] if masks is not None and index < len(masks) else None
+        if mask != expected:
             raise RuntimeError(f"{_FEATURE} needs the recompute of {self.stash.name} to get its forward's attention "
-                               f"mask, got {'another one' if mask and self.mask else 'a change from or to none'} "
+                               f"mask, got {'another one' if mask and expected else 'a change from or to none'} "
                                f"(another tensor, shape or version): the kept output is the forward's. Do not change "
                                f"a mask in place between a forward and its backward.")
 
-    def __del__(self):
-        # The checkpoint's graph was freed without the recompute: its forward had no backward.
-        if self.kept is not None:
-            self.kept = None
-            self.stash.counters.released(self)
+    def _release(self):
+        for entry in self.kept:
+            if entry is not None:
+                self.stash.counters.released(entry[4])
+        self.kept = ()
+        if self.recorded:
+            self._unrecord()
+
+    def _unrecord(self):
+        self.recorded = False
+        _RECORDED.discard(self)
+        if not _RECORDED and not self.stash.active:
+            _let_go_when_unused()
+
+    # The checkpoint's graph was freed without the recompute taking these: their forward had no backward.
+    __del__ = _release
 
 
 class _Counters:
-    """What the stashes of one install keep and serve, for its handle."""
+    """What the stashes of one install keep and serve, for its handle: attention outputs, one per attention call."""
 
     def __init__(self):
         self.kept = self.kept_bytes = self.peak_kept_bytes = 0
         self.recomputes_served = self.released_without_backward = 0
 
-    def add(self, call, nbytes):
-        call.nbytes = nbytes
+    def add(self, nbytes):
         self.kept += 1
         self.kept_bytes += nbytes
         if self.kept_bytes > self.peak_kept_bytes:
             self.peak_kept_bytes = self.kept_bytes
 
-    def served(self, call):
+    def served(self, nbytes):
         self.kept -= 1
-        self.kept_bytes -= call.nbytes
+        self.kept_bytes -= nbytes
         self.recomputes_served += 1
 
-    def released(self, call):
+    def released(self, nbytes):
         self.kept -= 1
-        self.kept_bytes -= call.nbytes
+        self.kept_bytes -= nbytes
         self.released_without_backward += 1
 
 
@@ -607,8 +644,13 @@ class _LayerStash:
 _STASHES = weakref.WeakKeyDictionary()
 # Install and remove change process-wide entries; one at a time.
 _LOCK = threading.Lock()
+# Checkpoint calls whose first pass recorded the stash's node and whose recompute has not run: they keep the hold on
+# the sdpa entry after the last stash's removal, until they are done.
+_RECORDED = weakref.WeakSet()
 # Hugging Face's "sdpa" entry that _stashing_sdpa replaced and calls, and the stash's copy of it, while installed.
 _original_sdpa = _stashing_copy_of_sdpa = None
+# GradientCheckpointingLayer and Hugging Face's attention interface, while held.
+_held = None
 # What GradientCheckpointingLayer's class dictionary held under _CHECKPOINT_FUNCTION before the slot went in.
 _MISSING = object()
 _replaced_class_attribute = _MISSING
@@ -703,7 +745,7 @@ def _stashing_copy(function):
 
 def _stashing_sdpa(module, *args, **kwargs):
     call = _state.call
-    if call is not None and call.stash.active:
+    if call is not None and (call.stash.active or call.recorded):
         return _stashing_copy_of_sdpa(module, *args, **kwargs)
     if torch.is_grad_enabled() and module.training:
         stash = _STASHES.get(module)
@@ -864,20 +906,24 @@ def _class_defining(cls, name):
 
 def _take_hold(layer_class, attention_functions):
     """Put the checkpoint-function slot and the sdpa wrapper in place, once for all stashes. Under ``_LOCK``."""
-    global _original_sdpa, _stashing_copy_of_sdpa, _replaced_class_attribute
+    global _original_sdpa, _stashing_copy_of_sdpa, _replaced_class_attribute, _held
     if _original_sdpa is None:
+        # The copy first: it raises for an entry it cannot serve, before anything is changed.
         _stashing_copy_of_sdpa = _stashing_copy(attention_functions["sdpa"])
+        _held = layer_class, attention_functions
         _replaced_class_attribute = layer_class.__dict__.get(_CHECKPOINT_FUNCTION, _MISSING)
         setattr(layer_class, _CHECKPOINT_FUNCTION, _SLOT)
         _original_sdpa = attention_functions["sdpa"]
         attention_functions["sdpa"] = _stashing_sdpa
 
 
-def _let_go(layer_class, attention_functions):
-    """Undo ``_take_hold`` once no stash is left. Under ``_LOCK``."""
-    global _original_sdpa, _stashing_copy_of_sdpa, _replaced_class_attribute
-    if _STASHES or _original_sdpa is None:
+def _let_go():
+    """Undo ``_take_hold`` once no stash is left and no recorded call needs it. Under ``_LOCK``."""
+    global _original_sdpa, _stashing_copy_of_sdpa, _replaced_class_attribute, _held
+    if _STASHES or _RECORDED or _original_sdpa is None:
         return
+    layer_class, attention_functions = _held
+    _held = None
     if attention_functions["sdpa"] is _stashing_sdpa:
         # The wrapper is a local entry of the shared interface; dropping it uncovers the library-wide one.
         del attention_functions["sdpa"]
@@ -890,6 +936,16 @@ def _let_go(layer_class, attention_functions):
         else:
             setattr(layer_class, _CHECKPOINT_FUNCTION, _replaced_class_attribute)
     _replaced_class_attribute = _MISSING
+
+
+def _let_go_when_unused():
+    """``_let_go`` from a recorded call that is done, where the lock is free; a holder of the lock (a removal) checks
+    again once it has released it."""
+    if _LOCK.acquire(blocking=False):
+        try:
+            _let_go()
+        finally:
+            _LOCK.release()
 
 
 def _checkpointing_mode(layer):
@@ -906,11 +962,9 @@ def _checkpointing_mode(layer):
 class AttentionStashHandle:
     """Returned by ``install_attention_stash``: names the stashed layers, counts what they keep, uninstalls them."""
 
-    def __init__(self, stashes, counters, layer_class, attention_functions):
+    def __init__(self, stashes, counters):
         self._stashes = stashes
         self._counters = counters
-        self._layer_class = layer_class
-        self._attention_functions = attention_functions
 
     @property
     def layers(self):
@@ -944,8 +998,11 @@ class AttentionStashHandle:
         return self._counters.released_without_backward
 
     def remove(self):
-        """Uninstall. A backward of a forward that ran before the removal recomputes its attention as stock code does;
-        outputs kept for it go with its graph. Hugging Face's sdpa entry returns when no stash is left."""
+        """Uninstall. New forwards run stock attention at once. A backward of a forward that ran before the removal:
+        under reentrant checkpointing, its recompute runs stock attention and releases what the forward kept; under
+        non-reentrant checkpointing, the forward's graph holds the stash's node, whose saved tensors only the stash can
+        fill, so the stash still serves that recompute. Hugging Face's sdpa entry and the layer class's attribute
+        return when no stash is left and those recomputes are done (or their graphs freed)."""
         with _LOCK:
             removed = set(self._stashes)
             for stash in self._stashes:
@@ -953,7 +1010,9 @@ class AttentionStashHandle:
             for module in [module for module, stash in _STASHES.items() if stash in removed]:
                 del _STASHES[module]
             self._stashes = []
-            _let_go(self._layer_class, self._attention_functions)
+            _let_go()
+        # A recorded call done while the lock was held here could not let go itself.
+        _let_go_when_unused()
 
 
 def install_attention_stash(model: torch.nn.Module,
@@ -1050,4 +1109,4 @@ def install_attention_stash(model: torch.nn.Module,
     logger.info(f"{_FEATURE}: keeping the attention output of {num_layers} of {len(layers)} decoder layers "
                 f"({chosen[0][0]} to {chosen[-1][0]}) for their recompute: {cost}; "
                 f"{_checkpointing_mode(chosen[-1][1])}.")
-    return AttentionStashHandle(stashes, counters, layer_class, attention_functions)
+    return AttentionStashHandle(stashes, counters)

@@ -140,7 +140,7 @@ def live_checkpoint_calls():
 
 def kept_outputs():
     """The attention outputs kept now, across all stashes."""
-    return [call.kept[1] for call in live_checkpoint_calls() if call.kept is not None]
+    return [entry[1] for call in live_checkpoint_calls() for entry in call.kept if entry is not None]
 
 
 def assert_stock_process():

@@ -21,8 +21,8 @@ from deepspeed.runtime.activation_checkpointing import attention_stash
 from deepspeed.runtime.activation_checkpointing.attention_stash import install_attention_stash
 
 from attention_stash_helpers import (CPU_BACKWARD, CPU_FORWARD, MODELS, NUM_LAYERS, CountOps, assert_same_grads,
-                                     batch_ids, checkpointed, free_port, kept_outputs, llama_model, mixtral_model,
-                                     param_grads, qwen3_moe_model, stashed_train_step, train_step)
+                                     batch_ids, checkpointed, counted_step, free_port, kept_outputs, llama_model,
+                                     mixtral_model, param_grads, qwen3_moe_model, stashed_train_step, train_step)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -455,14 +455,50 @@ def test_same_input_tensor_in_two_forwards_before_their_backwards(install):
     assert torch.equal(got[3], expected[3])
 
 
-def test_rejects_two_attention_calls_in_one_forward(install):
-    model = checkpointed(mixtral_model())
-    install(model, 1)
-    attention = model.model.layers[2].self_attn
+def _attention_called(attention, times):
+    """Makes ``attention`` call its forward ``times()`` times per call, returning the sum of the outputs."""
     forward = attention.forward
-    attention.forward = lambda *args, **kwargs: (forward(*args, **kwargs), forward(*args, **kwargs))[1]
-    with pytest.raises(RuntimeError, match="needs one attention call per forward of model.layers.2, got a second"):
-        model(input_ids=batch_ids(), labels=batch_ids())
+
+    def repeated(*args, **kwargs):
+        outputs = [forward(*args, **kwargs) for _ in range(times())]
+        return sum(output[0] for output in outputs), outputs[0][1]
+
+    attention.forward = repeated
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non_reentrant"])
+def test_serves_several_attention_calls_in_one_forward(install, use_reentrant):
+    """A layer that calls attention more than once per forward (DiffLlama, LongCat-Flash): each call's output is kept
+    and replayed in call order, and each is counted."""
+    model = checkpointed(mixtral_model(), use_reentrant=use_reentrant)
+    _attention_called(model.model.layers[2].self_attn, lambda: 3)
+    ids = batch_ids()
+    expected_loss, expected, _ = counted_step(model, input_ids=ids, labels=ids)
+    handle = install(model, 1)
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=ids).loss
+    assert handle.num_kept == 3
+    assert handle.kept_bytes == 3 * attention_stash.attention_stash_layer_bytes(model, 2, 32, device="cpu")
+    with CountOps() as counted:
+        loss.backward()
+    assert counted.calls[CPU_FORWARD] == NUM_LAYERS - 1
+    assert (handle.num_kept, handle.recomputes_served, handle.released_without_backward) == (0, 3, 0)
+    assert torch.equal(loss.detach(), expected_loss)
+    assert_same_grads(param_grads(model), expected)
+
+
+def test_rejects_a_recompute_with_fewer_attention_calls(install):
+    model = checkpointed(mixtral_model())
+    calls = iter([2, 1])
+    _attention_called(model.model.layers[2].self_attn, lambda: next(calls))
+    handle = install(model, 1)
+    loss = model(input_ids=batch_ids(), labels=batch_ids()).loss
+    with pytest.raises(RuntimeError,
+                       match="needs the recompute of model.layers.2 to make its forward's 2 attention calls, got 1"):
+        loss.backward()
+    del loss
+    gc.collect()
+    assert (handle.num_kept, handle.recomputes_served, handle.released_without_backward) == (0, 1, 1)
 
 
 def test_rejects_second_install(install):
@@ -535,9 +571,10 @@ def _left_padding_mask(batch, sequence, device):
 
 
 def _bare_call():
+    """A checkpoint call object whose layer function is one attention call: each call of it is a pass."""
     counters = attention_stash._Counters()
-    return attention_stash._CheckpointCall(
-        attention_stash._LayerStash("attention", torch.nn.Linear(1, 1), None, counters), None), counters
+    stash = attention_stash._LayerStash("attention", torch.nn.Linear(1, 1), None, counters)
+    return attention_stash._CheckpointCall(stash, attention_stash._attention_of_current_call), counters
 
 
 def _replay(query, key, value, mask, gqa, leaves):
@@ -545,12 +582,10 @@ def _replay(query, key, value, mask, gqa, leaves):
     keeps the kernel's outputs, the recompute on fresh leaves returns them from the stash's autograd node."""
     call, counters = _bare_call()
     arguments = dict(attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
-    call.passes = 1
     with torch.no_grad():
-        first = call.sdpa(query, key, value, **arguments)
-    call.passes, call.attended = 2, False
+        first = call(query, key, value, **arguments)
     inputs = leaves()
-    replayed = call.sdpa(*inputs, **arguments)
+    replayed = call(*inputs, **arguments)
     assert (counters.recomputes_served, counters.kept) == (1, 0)
     assert torch.equal(first, replayed)
     return inputs, replayed
@@ -561,14 +596,12 @@ def test_rejects_a_recompute_under_a_torch_func_transform():
     transform the stash raises, serves nothing, and its kept output is released with the call."""
     query, key, value = (torch.randn(1, 4, 8, 8) for _ in range(3))
     call, counters = _bare_call()
-    call.passes = 1
     with torch.no_grad():
-        call.sdpa(query, key, value, is_causal=True)
-    call.passes, call.attended = 2, False
+        call(query, key, value, is_causal=True)
     with pytest.raises(RuntimeError,
                        match="needs the training forwards of attention to run under autograd alone, got a "
                        "torch.func transform"):
-        torch.func.grad(lambda query: call.sdpa(query, key, value, is_causal=True).sum())(query.clone())
+        torch.func.grad(lambda query: call(query, key, value, is_causal=True).sum())(query.clone())
     assert (counters.kept, counters.recomputes_served) == (1, 0)
     call = None
     assert (counters.kept, counters.kept_bytes, counters.released_without_backward) == (0, 0, 1)
@@ -579,12 +612,11 @@ def test_rejects_a_first_pass_with_grad_under_a_torch_func_transform():
     keeping anything."""
     query, key, value = (torch.randn(1, 4, 8, 8) for _ in range(3))
     call, counters = _bare_call()
-    call.passes = 1
     with pytest.raises(RuntimeError,
                        match="needs the training forwards of attention to run under autograd alone, got a "
                        "torch.func transform"):
-        torch.func.grad(lambda query: call.sdpa(query, key, value, is_causal=True).sum())(query.clone())
-    assert (counters.kept, counters.kept_bytes, call.kept) == (0, 0, None)
+        torch.func.grad(lambda query: call(query, key, value, is_causal=True).sum())(query.clone())
+    assert (counters.kept, counters.kept_bytes, call.kept) == (0, 0, [])
 
 
 REPLAY_CASES = [("cpu", SDPBackend.FLASH_ATTENTION)] + [("cuda", backend) for backend in CUDA_BACKENDS]
