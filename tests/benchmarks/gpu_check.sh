@@ -6,7 +6,7 @@
 # The attention stash's GPU check: one command on a lent H200 (Python 3.12, torch 2.11 with CUDA 13, transformers 5.17,
 # no DeepSpeed, no network) that, within 10 minutes, installs what it needs offline and writes $OUT/RESULTS.md:
 #   1. the test suite with its GPU tests, under the image's transformers (leg 1) and under transformers 5.24.0 from the
-#      wheel folder (leg 2), each test's outcome recorded from pytest's junit XML;
+#      wheel folder (leg 2, run after steps 2 and 3), each test's outcome recorded from pytest's junit XML;
 #   2. the benchmark's Qwen3-30B-A3B preset (bf16, sequence 4096, micro-batch 4, 32 query and 4 key/value heads of
 #      dimension 128), all arms, --json and --plot under $OUT;
 #   3. the op-level figures (gpu_op_figures.py): the attention forward per fused backend, the saving per stashed
@@ -35,7 +35,7 @@ for arg in "$@"; do
     case $arg in
         --dry-run) MODE=dry-run ;;
         -h | --help)
-            sed -n '5,31p' "$0"
+            awk 'NR > 4 && /^#/ { sub(/^# ?/, ""); print } /^set /{ exit }' "$0"
             exit 0
             ;;
         *)
@@ -93,7 +93,7 @@ run_step() {
     command=$(quoted "$@")
     printf '$ %s\n' "$command" >"$log"
     if ((limit < 5)); then
-        status="skipped (out of time)" rc=- seconds=0
+        status="skipped (out of time)" rc=- seconds=0 limit=0
         echo "out of time: the run's budget of $BUDGET s is spent" >>"$log"
     else
         begin=$(date +%s.%N)
@@ -133,7 +133,7 @@ meta budget "$BUDGET"
 meta suite "pytest ${SUITE[*]}"
 echo "[gpu_check] $MODE: output in $OUT, work in $WORK, budget $BUDGET s"
 
-# --- the wheel folder -------------------------------------------------------------------------------------------------
+# --- the wheel folder ------------------------------------------------------------------------------------------------
 SOURCE_WHEELS=${GPU_CHECK_WHEELS:-}
 if [[ -z $SOURCE_WHEELS ]]; then
     for candidate in "$REPO/.whl" "$REPO/../shared/wheels"; do
@@ -169,7 +169,7 @@ if [[ -d $WHEELS ]]; then
         sort)
 fi
 
-# --- the offline install: a fresh venv for DeepSpeed and its missing dependencies, a target folder for leg 2 ----------
+# --- the offline install: a fresh venv for DeepSpeed and its missing dependencies, a target folder for leg 2 ---------
 VENV=$WORK/venv
 TARGET=$WORK/site-transformers
 BASE_PATH=${PYTHONPATH:-}
@@ -208,13 +208,15 @@ run_step probe-wheel 90 env PYTHONPATH="$LEG2_PATH" "$VPY" "$HELPER" probe --out
     --device "$DEVICE" --target "$TARGET" "${LEG2_WHEELS[@]}"
 LEG2_OK=$?
 
-# --- 1. the suite with its GPU tests, under each transformers ----------------------------------------------------------
-run_step suite-image 170 env PYTHONPATH="$BASE_PATH" "$VPY" -m pytest "${SUITE[@]}" -p no:cacheprovider -v -rfEs \
-    --junitxml "$OUT/junit-image.xml"
-run_step suite-wheel 150 env PYTHONPATH="$LEG2_PATH" "$VPY" -m pytest "${SUITE[@]}" -p no:cacheprovider -v -rfEs \
-    --junitxml "$OUT/junit-wheel.xml"
+# --- 1. the suite with its GPU tests under the image's transformers (leg 2 runs last: see below) ---------------------
+# A test that hangs fails alone, where pytest-timeout is there (the H200 has it), instead of taking the leg's time.
+PYTEST=(-m pytest "${SUITE[@]}" -p no:cacheprovider -v -rfEs)
+if env PYTHONPATH="$BASE_PATH" "$VPY" -c "import pytest_timeout" 2>/dev/null; then
+    PYTEST+=(--timeout 120)
+fi
+run_step suite-image 170 env PYTHONPATH="$BASE_PATH" "$VPY" "${PYTEST[@]}" --junitxml "$OUT/junit-image.xml"
 
-# --- 2. the benchmark's preset, all arms, under leg 2's transformers where it installed -----------------------------------
+# --- 2. the benchmark's preset, all arms, under leg 2's transformers where it installed ------------------------------
 BENCH_PATH=$BASE_PATH
 if ((LEG2_OK == 0)); then
     BENCH_PATH=$LEG2_PATH
@@ -232,14 +234,18 @@ fi
 # A free port for DeepSpeed's process group, not a fixed one.
 PORT=$("$VPY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 run_step bench 170 env PYTHONPATH="$BENCH_PATH" DS_ACCELERATOR="$DEVICE" RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 \
-    MASTER_ADDR=127.0.0.1 MASTER_PORT="${PORT:-29500}" "$VPY" tests/benchmarks/attention_stash_bench.py "${SHAPES[@]}" \
-    --json "$OUT/bench.json" "${PLOT[@]}"
+    MASTER_ADDR=127.0.0.1 MASTER_PORT="${PORT:-29500}" "$VPY" tests/benchmarks/attention_stash_bench.py \
+    "${SHAPES[@]}" --json "$OUT/bench.json" "${PLOT[@]}"
 
-# --- 3. the op-level figures at the same shapes --------------------------------------------------------------------------
-run_step op-figures 60 env PYTHONPATH="$BENCH_PATH" DS_ACCELERATOR="$DEVICE" "$VPY" tests/benchmarks/gpu_op_figures.py \
-    --out "$OUT/op_figures.json" --bench-json "$OUT/bench.json" -- "${SHAPES[@]}"
+# --- 3. the op-level figures at the same shapes ----------------------------------------------------------------------
+run_step op-figures 60 env PYTHONPATH="$BENCH_PATH" DS_ACCELERATOR="$DEVICE" "$VPY" \
+    tests/benchmarks/gpu_op_figures.py --out "$OUT/op_figures.json" --bench-json "$OUT/bench.json" -- "${SHAPES[@]}"
 
-# --- 4. the report ------------------------------------------------------------------------------------------------------
+# --- 1, leg 2: the suite under transformers 5.24.0, after the figures that nothing else gives: where the time runs
+# short, its GPU tests, which come first in the suite's order, have run.
+run_step suite-wheel 150 env PYTHONPATH="$LEG2_PATH" "$VPY" "${PYTEST[@]}" --junitxml "$OUT/junit-wheel.xml"
+
+# --- 4. the report ---------------------------------------------------------------------------------------------------
 STATUS=0
 cut -f2 "$WORK/steps.tsv" | grep -qvx passed && STATUS=1
 timeout -k 10 "$REPORT_RESERVE" env PYTHONPATH="$BASE_PATH" "$VPY" "$HELPER" report --work "$WORK" --out "$OUT" \

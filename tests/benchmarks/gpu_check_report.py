@@ -240,7 +240,7 @@ class Report:
     def waited(self, step, what):
         row = self.step.get(step)
         status = f"{row['status']} (rc {row['rc']}, {row['seconds']} s)" if row else "did not run"
-        self.add(f"Not available: {what} comes from the step `{step}`, which {status}; see its log below.", "")
+        self.add(f"Not available ({what}): the step `{step}` {status}; the end of its log is below.", "")
 
     def _leg_title(self, leg):
         probe = self.probes[leg] or {}
@@ -352,7 +352,11 @@ class Report:
         self.add("## Rest of the suite", "")
         for leg, cases in rest:
             bad = [case for case in cases if case["outcome"] in ("failed", "error")]
-            self.add(f"- Leg {1 if leg == 'image' else 2}, {self._leg_title(leg)}: {_counts(cases)}")
+            row = self.step.get(f"suite-{leg}")
+            unfinished = ""
+            if row and row["status"] != "passed":
+                unfinished = f" (the run {row['status']}: what had not run by then is not counted)"
+            self.add(f"- Leg {1 if leg == 'image' else 2}, {self._leg_title(leg)}: {_counts(cases)}{unfinished}")
             for case in bad:
                 self.add(f"  - {case['outcome'].upper()} `{case['id']}`: {case['message']}")
         self.add("")
