@@ -126,7 +126,10 @@ def probe(args):
     if args.device == "cuda" and not info["cuda_available"]:
         print("torch sees no CUDA device", file=sys.stderr)
         return 1
-    return 1 if missing or "error" in info["modules"]["transformers"] else 0
+    broken = [name for name in ("transformers", "deepspeed", "pytest") if "error" in info["modules"][name]]
+    if broken:
+        print(f"does not import: {', '.join(broken)}", file=sys.stderr)
+    return 1 if missing or broken else 0
 
 
 # ---------------------------------------------------------------------------------------------------------------------
