@@ -130,7 +130,7 @@ meta date "$(date -u '+%Y-%m-%d %H:%M:%S UTC')"
 meta commit "$(git rev-parse --short HEAD 2>/dev/null || echo 'unknown (no git here)')"
 meta host "$(hostname 2>/dev/null || echo '?'), $(nproc 2>/dev/null || echo '?') cores"
 meta budget "$BUDGET"
-meta suite "pytest ${SUITE[*]}"
+meta suite "pytest $(quoted "${SUITE[@]}")"
 echo "[gpu_check] $MODE: output in $OUT, work in $WORK, budget $BUDGET s"
 
 # --- the wheel folder ------------------------------------------------------------------------------------------------
