@@ -248,6 +248,8 @@ class Report:
     def _leg_title(self, leg):
         probe = self.probes[leg] or {}
         version = probe.get("modules", {}).get("transformers", {}).get("version", "?")
+        if leg == "wheel" and "REUSES" in self.meta.get("leg2_note", ""):
+            return f"transformers {version} (REUSED: no transformers wheel at hand)"
         return f"transformers {version} ({dict(LEGS)[leg]})"
 
     def header(self):
