@@ -1,0 +1,555 @@
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""The GPU check's Python side (gpu_check.sh): the fresh venv, what an environment holds, and RESULTS.md.
+
+    python gpu_check_report.py venv DIR                   # a fresh venv that sees this interpreter's packages
+    python gpu_check_report.py probe --out P.json [--venv DIR] [--target DIR] [--device cuda] [WHEEL ...]
+    python gpu_check_report.py report --work DIR --out DIR
+
+``report`` reads what the steps left in the work folder (meta.tsv, steps.tsv, the probes, the logs) and in the output
+folder (the junit XML of each suite leg, the benchmark's and the op-level figures' JSON) and writes RESULTS.md there.
+A step that failed or timed out is reported as such, with the end of its log, and every section that lacks its input
+says which step it waited for.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import re
+import subprocess
+import sys
+import sysconfig
+import venv
+import xml.etree.ElementTree as ElementTree
+
+# The GPU tests: every CUDA case, the replay against autograd on each backend (its CPU case too) and the AutoEP step,
+# which runs on CUDA where there is one. Matched against the test's name with its parameters.
+GPU_TESTS = re.compile(r"cuda|replay_matches_autograd|autoep_engine_step")
+# The seed's figures on an H100 at the Qwen3-30B-A3B preset, and the planner's bytes per layer there.
+H100_SAVED_MS = 0.93
+H100_FA3_FORWARD_MS = 0.95
+PRESET_PLANNER_BYTES = 136_314_880
+LEGS = (("image", "the image's transformers"), ("wheel", "transformers from the wheel folder"))
+LOG_TAIL_LINES = 40
+
+
+def make_venv(directory):
+    """A fresh venv with the system site-packages and, after its own, this interpreter's.
+
+    ``--system-site-packages`` gives a venv the base interpreter's packages: when this interpreter is itself a venv's
+    (the H200's python3 is /opt/torch/.venv's, which holds torch), that is not where its packages are, so a .pth file
+    adds them, behind the new venv's own site-packages.
+    """
+    venv.create(directory, system_site_packages=True, with_pip=False, symlinks=os.name != "nt")
+    site = sysconfig.get_path("purelib", vars={"base": directory, "platbase": directory})
+    parents = [path for path in sys.path if os.path.basename(path) in ("site-packages", "dist-packages")]
+    with open(os.path.join(site, "_gpu_check_parent_site.pth"), "w") as file:
+        # addsitedir, not a plain path: the .pth files of those folders (editable installs, say) count too.
+        file.write("".join(f"import site; site.addsitedir({path!r})\n" for path in parents))
+    print(f"venv {directory}: site-packages {site}, then {', '.join(parents) or 'nothing else'}")
+    return 0
+
+
+def _cudnn(version):
+    if not version:
+        return None
+    # cuDNN 9 numbers its versions major * 10000 + minor * 100 + patch, cuDNN 8 major * 1000 + minor * 100 + patch.
+    if version >= 90000:
+        return f"{version // 10000}.{version // 100 % 100}.{version % 100}"
+    return f"{version // 1000}.{version // 100 % 10}.{version % 100}"
+
+
+def _wheel_name(path):
+    name, version = os.path.basename(path).split("-")[:2]
+    return name, version
+
+
+def probe(args):
+    """The versions one environment holds, and where each wheel it was given landed; 1 when one is not there."""
+    import importlib.metadata as metadata
+
+    import torch
+
+    info = dict(python=sys.version.split()[0],
+                executable=sys.executable,
+                prefix=sys.prefix,
+                pythonpath=os.environ.get("PYTHONPATH", ""),
+                torch=torch.__version__,
+                cuda=torch.version.cuda,
+                cudnn=_cudnn(torch.backends.cudnn.version()) if torch.backends.cudnn.is_available() else None,
+                cuda_available=torch.cuda.is_available(),
+                gpu=None,
+                driver=None,
+                modules={},
+                wheels=[])
+    if info["cuda_available"]:
+        info["gpu"] = torch.cuda.get_device_name(0)
+        info["capability"] = ".".join(map(str, torch.cuda.get_device_capability(0)))
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                             capture_output=True,
+                             text=True,
+                             timeout=30)
+        if smi.returncode == 0 and smi.stdout.strip():
+            info["smi_gpu"], info["driver"] = [part.strip() for part in smi.stdout.splitlines()[0].split(",")][:2]
+    except (OSError, subprocess.SubprocessError):
+        pass
+    for name in ("transformers", "deepspeed", "pydantic", "pytest", "matplotlib"):
+        try:
+            module = __import__(name)
+            info["modules"][name] = dict(version=getattr(module, "__version__", None), file=module.__file__)
+        except Exception as error:  # recorded: a module that does not import is what the check is for
+            info["modules"][name] = dict(error=f"{type(error).__name__}: {error}".splitlines()[0][:200])
+    places = [(kind, os.path.realpath(path)) for kind, path in (("venv", args.venv), ("target", args.target)) if path]
+    missing = []
+    for path in args.wheels:
+        name, version = _wheel_name(path)
+        row = dict(wheel=os.path.basename(path), name=name, version=version, found=None, location=None, where=None)
+        try:
+            distribution = metadata.distribution(name)
+            row["found"] = distribution.version
+            row["location"] = os.path.realpath(str(distribution.locate_file("")))
+            inside = [kind for kind, place in places if os.path.commonpath([row["location"], place]) == place]
+            row["where"] = inside[0] if inside else "elsewhere"
+        except metadata.PackageNotFoundError:
+            pass
+        if row["found"] != version or (places and row["where"] == "elsewhere"):
+            missing.append(row["wheel"])
+        info["wheels"].append(row)
+    with open(args.out, "w") as file:
+        json.dump(info, file, indent=2)
+    print(json.dumps(info, indent=2))
+    if missing:
+        print(f"not installed where expected: {', '.join(missing)}", file=sys.stderr)
+    if args.device == "cuda" and not info["cuda_available"]:
+        print("torch sees no CUDA device", file=sys.stderr)
+        return 1
+    broken = [name for name in ("transformers", "deepspeed", "pytest") if "error" in info["modules"][name]]
+    if broken:
+        print(f"does not import: {', '.join(broken)}", file=sys.stderr)
+    return 1 if missing or broken else 0
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# RESULTS.md
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _load_json(path):
+    try:
+        with open(path) as file:
+            return json.load(file)
+    except (OSError, ValueError):
+        return None
+
+
+def _read_tsv(path, columns):
+    rows = []
+    if os.path.isfile(path):
+        with open(path) as file:
+            for line in file:
+                parts = line.rstrip("\n").split("\t")
+                rows.append(dict(zip(columns, parts + [""] * (len(columns) - len(parts)))))
+    return rows
+
+
+def _cell(value):
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def _table(header, rows):
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
+    lines += ["| " + " | ".join(_cell(value) for value in row) + " |" for row in rows]
+    return lines
+
+
+def _mib(value):
+    return "-" if value is None else f"{value / 2**20:,.1f} MiB"
+
+
+def _ms(value, digits=3):
+    return "-" if value is None else f"{value:.{digits}f} ms"
+
+
+def _log_tail(path, lines=LOG_TAIL_LINES):
+    try:
+        with open(path, errors="replace") as file:
+            text = file.read().splitlines()
+    except OSError:
+        return ["(no log)"]
+    return text if lines is None else text[-lines:]
+
+
+def junit_cases(path):
+    """Each test case of a junit XML file: id, outcome, seconds, the first line of its message."""
+    cases = []
+    for case in ElementTree.parse(path).getroot().iter("testcase"):
+        if not case.get("name"):
+            continue  # the test a KeyboardInterrupt stopped: pytest writes it without a name
+        module = case.get("classname", "").rsplit(".", 1)[-1]
+        outcome, message = "passed", ""
+        for child in case:
+            if child.tag in ("failure", "error", "skipped"):
+                outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[child.tag]
+                if child.tag == "skipped" and child.get("type") == "pytest.xfail":
+                    outcome = "xfailed"
+                message = (child.get("message") or child.text or "").strip().splitlines()
+                message = message[0][:160] if message else ""
+                break
+        name = f"{module}.py::{case.get('name')}"
+        cases.append(dict(id=name, outcome=outcome, seconds=float(case.get("time", 0)), message=message))
+    return cases
+
+
+_VERBOSE = re.compile(r"^(?:\S+/)?(\S+\.py::\S+) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)(?: \((.*)\))?")
+
+
+def log_cases(path):
+    """Fallback when a run left no junit XML: the outcomes pytest -v printed as each test finished."""
+    cases = []
+    for line in _log_tail(path, lines=None):
+        match = _VERBOSE.match(line)
+        if match:
+            outcome = {"XFAIL": "xfailed", "XPASS": "xpassed"}.get(match.group(2), match.group(2).lower())
+            cases.append(dict(id=match.group(1), outcome=outcome, seconds=None, message=match.group(3) or ""))
+    return cases
+
+
+def _counts(cases):
+    counts = {}
+    for case in cases:
+        counts[case["outcome"]] = counts.get(case["outcome"], 0) + 1
+    return ", ".join(f"{count} {outcome}" for outcome, count in sorted(counts.items())) or "no test"
+
+
+class Report:
+
+    def __init__(self, work, out):
+        self.work, self.out = work, out
+        self.meta = {row["key"]: row["value"] for row in _read_tsv(os.path.join(work, "meta.tsv"), ["key", "value"])}
+        self.steps = _read_tsv(os.path.join(work, "steps.tsv"),
+                               ["name", "status", "rc", "seconds", "limit", "command"])
+        self.step = {row["name"]: row for row in self.steps}
+        self.probes = {leg: _load_json(os.path.join(work, f"probe-{leg}.json")) for leg, _ in LEGS}
+        self.bench = _load_json(os.path.join(out, "bench.json"))
+        self.op = _load_json(os.path.join(out, "op_figures.json"))
+        self.lines = []
+
+    def add(self, *lines):
+        self.lines.extend(lines)
+
+    def waited(self, step, what):
+        row = self.step.get(step)
+        status = f"{row['status']} (rc {row['rc']}, {row['seconds']} s)" if row else "did not run"
+        self.add(f"Not available ({what}): the step `{step}` {status}; the end of its log is below.", "")
+
+    def _leg_title(self, leg):
+        probe = self.probes[leg] or {}
+        version = probe.get("modules", {}).get("transformers", {}).get("version", "?")
+        if leg == "wheel" and "REUSES" in self.meta.get("leg2_note", ""):
+            return f"transformers {version} (REUSED: no transformers wheel at hand)"
+        return f"transformers {version} ({dict(LEGS)[leg]})"
+
+    def header(self):
+        mode = self.meta.get("mode", "?")
+        self.add("# Attention stash: GPU check", "")
+        self.add(f"- Date: {self.meta.get('date', '?')} (report written "
+                 f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M:%S} UTC)")
+        if mode == "dry-run":
+            self.add("- Mode: DRY RUN on CPU at tiny shapes (`gpu_check.sh --dry-run`): every step's command, the "
+                     "offline install into a fresh venv and this report, not a GPU result")
+        else:
+            self.add("- Mode: GPU (`gpu_check.sh`)")
+        for key, label in (("commit", "Commit"), ("host", "Host"), ("budget", "Time budget (s)")):
+            self.add(f"- {label}: {self.meta.get(key, '?')}")
+        failed = [row["name"] for row in self.steps if row["status"] != "passed"]
+        passed = f"- Steps: {len(self.steps) - len(failed)} of {len(self.steps)} passed"
+        self.add(passed + (f"; not passed: {', '.join(failed)}" if failed else ""), "")
+
+    def versions(self):
+        self.add("## Versions", "")
+        if not any(self.probes.values()):
+            self.waited("probe-image", "the versions")
+            return
+        rows = []
+        fields = (("GPU", lambda p: p.get("gpu") or p.get("smi_gpu") or "none (CPU)"),
+                  ("compute capability", lambda p: p.get("capability", "-")),
+                  ("driver", lambda p: p.get("driver") or "-"), ("Python", lambda p: p["python"]),
+                  ("interpreter", lambda p: p["executable"]), ("torch", lambda p: p["torch"]),
+                  ("CUDA (torch)", lambda p: p.get("cuda") or "-"), ("cuDNN", lambda p: p.get("cudnn") or "-"))
+        for label, field in fields:
+            rows.append([label] + [field(self.probes[leg]) if self.probes[leg] else "-" for leg, _ in LEGS])
+        for name in ("transformers", "deepspeed", "pydantic", "pytest", "matplotlib"):
+            cells = []
+            for leg, _ in LEGS:
+                module = (self.probes[leg] or {}).get("modules", {}).get(name)
+                if not module:
+                    cells.append("-")
+                elif "error" in module:
+                    cells.append(f"does not import: {module['error']}")
+                else:
+                    cells.append(f"{module['version']} ({module['file']})")
+            rows.append([name] + cells)
+        self.add(*_table(["", "leg 1: " + self._leg_title("image"), "leg 2: " + self._leg_title("wheel")], rows))
+        self.add("")
+
+    def install(self):
+        self.add("## Offline install", "")
+        self.add(f"- Wheel folder: `{self.meta.get('wheels', '?')}` ({self.meta.get('wheels_note', '')})")
+        self.add(f"- Fresh venv: `{self.meta.get('venv', '?')}` ({self.meta.get('venv_note', '')})")
+        self.add(f"- pip: `--no-index --no-deps --find-links` the wheel folder; leg 2's transformers into the target "
+                 f"folder `{self.meta.get('target', '?')}`, first on PYTHONPATH for that leg")
+        self.add(f"- Leg 2: {self.meta.get('leg2_note', '?')}", "")
+        rows = []
+        for leg, _ in LEGS:
+            for wheel in (self.probes[leg] or {}).get("wheels", []):
+                rows.append(
+                    [wheel["wheel"], wheel["found"] or "NOT FOUND", wheel["where"] or "-", wheel["location"] or "-"])
+        if rows:
+            self.add(*_table(["installed wheel", "version that imports", "in", "location"], rows))
+        else:
+            self.add("No wheel was installed.")
+        self.add("")
+
+    def steps_table(self):
+        self.add("## Steps", "")
+        rows = [[row["name"], row["status"], row["rc"], row["seconds"], row["limit"], f"`{row['command']}`"]
+                for row in self.steps]
+        self.add(*_table(["step", "status", "rc", "seconds", "timeout (s)", "command"], rows))
+        self.add("")
+
+    def suites(self):
+        self.add("## GPU tests", "")
+        self.add(
+            f"Suite: `{self.meta.get('suite', '?')}`. GPU tests are those whose name matches "
+            f"`{GPU_TESTS.pattern}`: cuDNN, flash and memory-efficient attention forced in turn, MHA and GQA, "
+            f"causal and padded, the replay against autograd (and its CPU case), the CUDA two-layer step and "
+            f"the AutoEP engine step. Non-reentrant checkpointing on CUDA runs in the benchmark's "
+            f"non-reentrant arms.", "")
+        rest = []
+        for leg, _ in LEGS:
+            step = f"suite-{leg}"
+            self.add(f"### Leg {1 if leg == 'image' else 2}: {self._leg_title(leg)}", "")
+            path = os.path.join(self.out, f"junit-{leg}.xml")
+            source = "junit XML"
+            try:
+                cases = junit_cases(path)
+            except (OSError, ElementTree.ParseError):
+                cases, source = log_cases(os.path.join(self.work, "logs", f"{step}.log")), "pytest -v log (no junit)"
+            row = self.step.get(step)
+            if row and row["status"] != "passed":
+                self.add(
+                    f"The run {row['status']} (rc {row['rc']}, {row['seconds']} s of {row['limit']}): the "
+                    f"tables hold the tests that finished.", "")
+            gpu = [case for case in cases if GPU_TESTS.search(case["id"].split("::")[-1])]
+            if not cases:
+                self.waited(step, "the test outcomes")
+            else:
+                self.add(f"GPU tests: {_counts(gpu)} (from the {source}).", "")
+                self.add(*_table(["test", "outcome", "seconds", "message"], [[
+                    case["id"], case["outcome"], "-" if case["seconds"] is None else f"{case['seconds']:.2f}",
+                    case["message"]
+                ] for case in gpu]))
+                self.add("")
+            rest.append((leg, [case for case in cases if case not in gpu]))
+        self.add("## Rest of the suite", "")
+        for leg, cases in rest:
+            bad = [case for case in cases if case["outcome"] in ("failed", "error")]
+            row = self.step.get(f"suite-{leg}")
+            unfinished = ""
+            if row and row["status"] != "passed":
+                unfinished = f" (the run {row['status']}: what had not run by then is not counted)"
+            self.add(f"- Leg {1 if leg == 'image' else 2}, {self._leg_title(leg)}: {_counts(cases)}{unfinished}")
+            for case in bad:
+                self.add(f"  - {case['outcome'].upper()} `{case['id']}`: {case['message']}")
+        self.add("")
+
+    def benchmark(self):
+        self.add("## Benchmark", "")
+        self.add(f"Command: `{self.step.get('bench', {}).get('command', '?')}`; {self.meta.get('bench_note', '')}", "")
+        if not self.bench:
+            self.waited("bench", "the benchmark's figures")
+            return
+        settings, versions = self.bench["settings"], self.bench["versions"]
+        self.add(
+            f"Qwen3-MoE, {settings['layers']} layers, {settings['experts']} experts (top {settings['top_k']}), "
+            f"hidden {settings['hidden']}, {settings['heads']} query and {settings['kv_heads']} key/value heads "
+            f"of dimension {settings['head_dim']}, sequence {settings['sequence']}, micro-batch "
+            f"{settings['micro_batch']}, {settings['dtype']} on {settings['device']}; {settings['steps']} timed "
+            f"steps after {settings['warmup']} per run; torch {versions['torch']}, transformers "
+            f"{versions['transformers']}, deepspeed {versions['deepspeed']}.", "")
+        memory = "peak_allocated_bytes" if settings["device"] == "cuda" else "peak_live_bytes"
+        rows = []
+        for arm in self.bench["arms"]:
+            stash = "saved_per_layer_ms" in arm
+            verdict = "-"
+            if stash:
+                verdict = "NOISY" if arm["noisy"] else (
+                    "unresolved" if arm["noise_per_layer_ms"] >= self.bench["attention_forward_ms"] else
+                    f"{arm['saved_fraction_of_attention']:.0%} of the attention forward")
+            rows.append([
+                arm["label"], arm["stashed"] or "-", f"{arm['median_ms']:,.1f}", f"{arm['vs_plain']:+.2%}",
+                _mib(arm[memory]), f"{arm['kept_per_layer_bytes']:,.0f}" if stash else "-",
+                _ms(arm.get("saved_per_layer_ms"), 2),
+                _ms(arm.get("noise_per_layer_ms"), 2), verdict
+            ])
+        label = "peak allocated" if memory == "peak_allocated_bytes" else "peak live"
+        self.add(*_table([
+            "arm", "stashed", "median step (ms)", "vs plain", label, "kept B per layer",
+            "saved per layer and micro-batch", "noise per layer", "verdict"
+        ], rows))
+        self.add(
+            "", f"Attention forward (the benchmark's op-level gate, perf_counter around F.sdpa): "
+            f"{self.bench['attention_forward_ms']:.3f} ms per layer and micro-batch, SDPA backend "
+            f"{self.bench['sdpa_backend']}. Losses: largest difference across arms "
+            f"{self.bench['loss_cross_arm']:.3g}, same-arm repeat noise {self.bench['loss_repeat_noise']:.3g}.")
+        plot = os.path.join(self.out, "bench.png")
+        self.add(f"Plot: {'`bench.png`' if os.path.isfile(plot) else 'none'} ({self.meta.get('plot_note', '')}).", "")
+        table = _log_tail(os.path.join(self.work, "logs", "bench.log"), lines=None)
+        start = next((index for index, line in enumerate(table) if line.startswith("attention stash benchmark:")),
+                     None)
+        if start is not None:
+            self.add("The benchmark's own table:", "", "```", *table[start:], "```", "")
+
+    def op_figures(self):
+        self.add("## Op-level figures", "")
+        if not self.op:
+            self.waited("op-figures", "the op-level figures")
+        else:
+            settings = self.op["settings"]
+            self.add(
+                f"Attention forward at query ({settings['micro_batch']}, {settings['heads']}, "
+                f"{settings['sequence']}, {settings['head_dim']}), {settings['kv_heads']} key/value heads, "
+                f"{settings['dtype']}, causal, inputs that require grad; {self.op['timer']}, median of "
+                f"{self.op['repeats']} after {self.op['warmup']} warm-up calls, each backend forced. For "
+                f"reference, on an H100 at the preset: the seed's saving {H100_SAVED_MS} ms per stashed layer "
+                f"and micro-batch; a FlashAttention-3-class kernel needs about {H100_FA3_FORWARD_MS} ms for this "
+                f"forward.", "")
+            rows = [[
+                row["backend"], row["layout"] or "-",
+                _ms(row["median_ms"]), "-" if row["min_ms"] is None else f"{row['min_ms']:.3f} - {row['max_ms']:.3f}",
+                "-" if row["median_ms"] is None else f"{row['median_ms'] / H100_FA3_FORWARD_MS:.2f}x",
+                row.get("note") or ""
+            ] for row in self.op["attention"]]
+            self.add(
+                *_table(["backend", "key/value heads", "median", "min - max (ms)", "of H100 FA3-class", "note"], rows))
+            self.add("")
+        bench = self.bench
+        if bench:
+            forward = bench["attention_forward_ms"]
+            self.add("Saving per stashed layer and micro-batch (from the benchmark's JSON):", "")
+            rows = [[
+                arm["label"], arm["baseline"],
+                _ms(arm["saved_per_layer_ms"]),
+                _ms(arm["noise_per_layer_ms"]), f"{arm['saved_per_layer_ms'] / forward:.0%}",
+                f"{arm['saved_per_layer_ms'] / H100_SAVED_MS:.2f}x"
+            ] for arm in bench["arms"] if "saved_per_layer_ms" in arm]
+            self.add(*_table([
+                "stash arm", "against", "saved", "noise", f"of the attention forward ({forward:.3f} ms)",
+                f"of the seed's H100 {H100_SAVED_MS} ms"
+            ], rows))
+            self.add("")
+
+    def kept_bytes(self):
+        self.add("## Bytes kept per layer against the planner", "")
+        settings = (self.bench or self.op or {}).get("settings")
+        if not settings:
+            self.waited("bench", "the bytes kept")
+            return
+        element = 2 if settings["dtype"] in ("bfloat16", "float16") else 4
+        formula = settings["micro_batch"] * settings["heads"] * settings["sequence"] * (
+            settings["head_dim"] * element + 4)
+        self.add(
+            f"Formula, output plus FP32 log-sum-exp (micro-batch x query heads x sequence x (head dim x "
+            f"{element} + 4)): {formula:,} B; the issue's planner figure at the Qwen3-30B-A3B preset: "
+            f"{PRESET_PLANNER_BYTES:,} B" +
+            (" (these shapes are not the preset's)." if formula != PRESET_PLANNER_BYTES else " (these shapes)."), "")
+        rows = []
+        if self.op:
+            for row in self.op["planner"]:
+                rows.append([
+                    f"attention_stash_layer_bytes, {row['backend']}",
+                    "-" if row["bytes"] is None else f"{row['bytes']:,}",
+                    "-" if row["bytes"] is None else f"{row['bytes'] - formula:+,}", row["note"] or ""
+                ])
+        if self.bench:
+            rows.append([
+                "the benchmark's planner figure", f"{self.bench['kept_bytes_predicted']:,}",
+                f"{self.bench['kept_bytes_predicted'] - formula:+,}", ""
+            ])
+            for arm in self.bench["arms"]:
+                if "kept_per_layer_bytes" in arm:
+                    kept = arm["kept_per_layer_bytes"]
+                    rows.append([
+                        f"kept by {arm['label']} (peak kept / stashed layers)", f"{kept:,.0f}",
+                        f"{kept - formula:+,.0f}",
+                        f"{kept / self.bench['kept_bytes_predicted'] - 1:+.2%} against the benchmark's planner; "
+                        f"{arm['recomputes_served']} recomputes served"
+                    ])
+        self.add(*_table(["what", "bytes per layer", "against the formula", "note"], rows))
+        self.add("")
+        if not self.bench:
+            self.waited("bench", "the bytes the benchmark kept")
+
+    def peak_memory(self):
+        self.add("## Peak memory per arm", "")
+        if not self.bench:
+            self.waited("bench", "the peak memory")
+            return
+        rows = [[
+            arm["label"],
+            _mib(arm["peak_allocated_bytes"]),
+            _mib(arm["peak_live_bytes"]),
+            _mib(arm["peak_rss_bytes"])
+        ] for arm in self.bench["arms"]]
+        self.add(*_table(["arm", "peak allocated (CUDA)", "peak live tensors (CPU)", "peak RSS (CPU)"], rows))
+        self.add("")
+
+    def failed_logs(self):
+        failed = [row for row in self.steps if row["status"] != "passed"]
+        if not failed:
+            return
+        self.add("## Logs of the steps that did not pass", "")
+        for row in failed:
+            self.add(f"### {row['name']}: {row['status']} (rc {row['rc']})", "", "```",
+                     *_log_tail(os.path.join(self.work, "logs", f"{row['name']}.log")), "```", "")
+
+    def write(self):
+        for section in (self.header, self.versions, self.install, self.steps_table, self.suites, self.benchmark,
+                        self.op_figures, self.kept_bytes, self.peak_memory, self.failed_logs):
+            section()
+        self.add("Files: RESULTS.md, gpu_check.log (every step's log), junit-image.xml, junit-wheel.xml, bench.json, "
+                 "bench.png, op_figures.json.")
+        path = os.path.join(self.out, "RESULTS.md")
+        with open(path, "w") as file:
+            file.write("\n".join(self.lines) + "\n")
+        print(f"wrote {path}")
+        return 0
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    make = commands.add_parser("venv", help="make a fresh venv that sees this interpreter's packages")
+    make.add_argument("directory")
+    check = commands.add_parser("probe", help="record the versions this environment holds")
+    check.add_argument("--out", required=True)
+    check.add_argument("--venv", help="the wheels are expected in this venv ...")
+    check.add_argument("--target", help="... or in this target folder")
+    check.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    check.add_argument("wheels", nargs="*")
+    report = commands.add_parser("report", help="write RESULTS.md")
+    report.add_argument("--work", required=True)
+    report.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    if args.command == "venv":
+        return make_venv(args.directory)
+    if args.command == "probe":
+        return probe(args)
+    return Report(args.work, args.out).write()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
