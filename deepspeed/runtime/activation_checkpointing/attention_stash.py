@@ -13,6 +13,7 @@ stashed layer, from the layer's forward to its recompute.
 transformers is imported lazily, by ``install_attention_stash``.
 """
 
+import inspect
 import math
 import threading
 import types
@@ -40,6 +41,8 @@ _TORCH_ENTRY_POINTS = ("_fused_sdp_choice", "_C._current_graph_task_id", "_C._se
 _StopRecomputationError = getattr(torch.utils.checkpoint, "_StopRecomputationError", None)
 # The attribute in which Hugging Face keeps a decoder layer's checkpoint function, read at every checkpointed call.
 _CHECKPOINT_FUNCTION = "_gradient_checkpointing_func"
+# The name under which Hugging Face's modeling code reaches its attention interface.
+_INTERFACE = "ALL_ATTENTION_FUNCTIONS"
 _CHECKPOINTING_HINT = ("model.activation_checkpointing_enable() (gradient_checkpointing_enable() up to transformers "
                        "5.22), reentrant or not")
 
@@ -799,16 +802,106 @@ def _decoder_layers(model, layer_class):
     return layers
 
 
-def _attention_geometry(name, layer):
-    """(query heads, head dimension of the attention output) of a decoder layer's attention module."""
-    for module in layer.modules():
-        heads = getattr(getattr(module, "config", None), "num_attention_heads", None)
-        # Multi-head latent attention (DeepSeek) has a value head dimension of its own, the output's.
-        head_dim = getattr(module, "v_head_dim", None) or getattr(module, "head_dim", None)
-        if isinstance(heads, int) and isinstance(head_dim, int):
-            return heads, head_dim
-    raise RuntimeError(f"{_FEATURE} needs an attention module with config.num_attention_heads and a head_dim in "
-                       f"{name} to plan its memory, got none.")
+def _forward_of(module):
+    forward = inspect.unwrap(type(module).forward)
+    return forward if isinstance(getattr(forward, "__code__", None), types.CodeType) else None
+
+
+def _attention_kind(module, interface):
+    """How a module's own forward calls attention: "interface" through Hugging Face's attention interface (the sdpa
+    entry the stash serves), "own interface" through an attention interface of its module's own, "direct" by calling
+    F.scaled_dot_product_attention itself; None for a module that calls none of them."""
+    forward = _forward_of(module)
+    if forward is None:
+        return None
+    names = forward.__code__.co_names
+    if _INTERFACE in names:
+        return "interface" if forward.__globals__.get(_INTERFACE) is interface else "own interface"
+    return "direct" if "scaled_dot_product_attention" in names else None
+
+
+def _attention_layers(model, layer_class, interface):
+    """The decoder layers with softmax attention through the attention interface, as (name, layer, attention
+    modules), and the others as (name, why they are left out), in model order; found from the modules' code, without
+    running the model."""
+    attention_layers, others = [], []
+    for name, layer in _decoder_layers(model, layer_class):
+        kinds = {}
+        for module in layer.modules():
+            kinds.setdefault(_attention_kind(module, interface), []).append(module)
+        if "interface" in kinds:
+            attention_layers.append((name, layer, kinds["interface"]))
+        elif "direct" in kinds:
+            others.append((name, f"{type(kinds['direct'][0]).__name__} calls F.scaled_dot_product_attention itself, "
+                           f"not through Hugging Face's attention interface"))
+        elif "own interface" in kinds:
+            module = kinds["own interface"][0]
+            others.append((name, f"{type(module).__name__} calls attention through an attention interface of its own "
+                           f"({type(module).__module__}.{_INTERFACE}), not Hugging Face's"))
+        else:
+            others.append((name, "no softmax attention (linear attention, a state-space or convolution mixer)"))
+    return attention_layers, others
+
+
+def _calls_per_forward(module):
+    """How many attention calls a module's forward makes, counted in its source: the calls of the function it takes
+    from the attention interface; 1 where the source is not available."""
+    try:
+        source = inspect.getsource(_forward_of(module))
+    except (OSError, TypeError):
+        return 1
+    return max(1, source.count("attention_interface("))
+
+
+def _positive_int(source, *names):
+    for name in names:
+        try:
+            value = getattr(source, name, None)
+        except Exception:
+            # transformers' per-layer configs refuse a global read of an attribute that differs between layers.
+            value = None
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def _attention_geometry(module):
+    """(query heads, key/value heads, head dimension of the attention output) of an attention module, from its own
+    attributes first and its config's next, under the names transformers' families give them; None where they do
+    not tell."""
+    config = getattr(module, "config", None)
+    heads = (_positive_int(module, "num_heads", "num_attention_heads", "n_heads")
+             or _positive_int(config, "num_attention_heads"))
+    if heads is None:
+        return None
+    # Multi-head latent attention (DeepSeek) has a value head dimension of its own, the output's.
+    head_dim = (_positive_int(module, "v_head_dim", "head_dim", "head_size", "attention_head_size")
+                or _positive_int(config, "v_head_dim", "head_dim"))
+    if head_dim is None:
+        hidden = _positive_int(config, "hidden_size")
+        head_dim = hidden // heads if hidden and hidden % heads == 0 else None
+    if head_dim is None:
+        return None
+    groups = _positive_int(module, "num_key_value_groups")
+    key_heads = (_positive_int(module, "num_key_value_heads", "num_kv_heads")
+                 or (heads // groups if groups and heads % groups == 0 else None)
+                 or _positive_int(config, "num_key_value_heads") or heads)
+    return heads, key_heads, head_dim
+
+
+def _attention_calls(name, modules):
+    """(query heads, key/value heads, head dimension) of each attention call a layer's forward makes, from its
+    attention modules; raises where the planner cannot tell."""
+    calls = []
+    for module in modules:
+        geometry = _attention_geometry(module)
+        if geometry is None:
+            raise RuntimeError(f"{_FEATURE} needs the head count and head dimension of {type(module).__name__} in "
+                               f"{name} to plan its memory, got neither from its attributes (num_heads, "
+                               f"num_attention_heads, head_dim, head_size, attention_head_size, v_head_dim) nor from "
+                               f"its config. Install with num_layers and no batch shape, which needs no plan.")
+        calls += [geometry] * _calls_per_forward(module)
+    return calls
 
 
 def _model_dtype(model):
@@ -822,35 +915,50 @@ def _check_positive_int(name, value):
         raise ValueError(f"{_FEATURE} needs a positive {name}, got {value}.")
 
 
-def _layer_bytes(model, micro_batch_size, sequence_length, dtype, device):
-    """Bytes each decoder layer would keep per micro-batch in flight, last layer first, with the layer names."""
-    layer_class, _ = _entry_points()
+def _model_attention_layers(model):
+    """The model's attention layers, as _attention_layers finds them, and the decoder layers left out; raises for a
+    model without any attention layer, naming why."""
+    layer_class, interface = _entry_points()
+    attention_layers, others = _attention_layers(model, layer_class, interface)
+    if not attention_layers:
+        if not others:
+            raise RuntimeError(f"{_FEATURE} needs a model with Hugging Face decoder layers "
+                               f"(GradientCheckpointingLayer), got {type(model).__name__} without any.")
+        raise RuntimeError(f"{_FEATURE} needs decoder layers with softmax attention through Hugging Face's attention "
+                           f"interface ({_INTERFACE}), whose sdpa entry it serves, got none in "
+                           f"{type(model).__name__}: in {others[-1][0]}, {others[-1][1]}. Train this model without "
+                           f"the stash.")
+    return attention_layers, others
+
+
+def _layer_bytes(attention_layers, micro_batch_size, sequence_length, dtype, device):
+    """Bytes each attention layer would keep per micro-batch in flight, last layer first, with the layer names."""
     _check_positive_int("micro_batch_size", micro_batch_size)
     _check_positive_int("sequence_length", sequence_length)
-    layers = _decoder_layers(model, layer_class)
-    if not layers:
-        raise RuntimeError(f"{_FEATURE} needs a model with Hugging Face decoder layers (GradientCheckpointingLayer), "
-                           f"got {type(model).__name__} without any.")
-    if dtype is None:
-        dtype = _model_dtype(model)
     if device is None:
         from deepspeed.accelerator import get_accelerator
         device = get_accelerator().device_name()
     device = torch.device(device)
-    config = model.config
-    key_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     sizes, backends = [], {}
-    for name, layer in reversed(layers):
-        heads, head_dim = _attention_geometry(name, layer)
-        if (heads, head_dim) not in backends:
-            # The backend PyTorch picks for these shapes in training decides the layout of what is kept.
-            query = torch.empty(1, heads, sequence_length, head_dim, device=device, dtype=dtype, requires_grad=True)
-            key = torch.empty(1, key_heads, sequence_length, head_dim, device=device, dtype=dtype)
-            with torch.enable_grad():
-                choice = torch._fused_sdp_choice(query, key, key, None, 0.0, True, enable_gqa=key_heads != heads)
-            backends[heads, head_dim] = _ops_for(device.type, choice)
-        backend = backends[heads, head_dim]
-        sizes.append((name, backend.kept_bytes(micro_batch_size, heads, sequence_length, head_dim, dtype)))
+    for name, _, modules in reversed(attention_layers):
+        nbytes = 0
+        for geometry in _attention_calls(name, modules):
+            heads, key_heads, head_dim = geometry
+            if geometry not in backends:
+                # The backend PyTorch picks for these shapes in training decides the layout of what is kept.
+                query = torch.empty(1,
+                                    heads,
+                                    sequence_length,
+                                    head_dim,
+                                    device=device,
+                                    dtype=dtype,
+                                    requires_grad=True)
+                key = torch.empty(1, key_heads, sequence_length, head_dim, device=device, dtype=dtype)
+                with torch.enable_grad():
+                    choice = torch._fused_sdp_choice(query, key, key, None, 0.0, True, enable_gqa=key_heads != heads)
+                backends[geometry] = _ops_for(device.type, choice)
+            nbytes += backends[geometry].kept_bytes(micro_batch_size, heads, sequence_length, head_dim, dtype)
+        sizes.append((name, nbytes))
     return sizes
 
 
@@ -859,7 +967,8 @@ def attention_stash_layer_bytes(model: torch.nn.Module,
                                 sequence_length: int,
                                 dtype: torch.dtype = None,
                                 device=None) -> int:
-    """Bytes one stashed decoder layer keeps per micro-batch in flight: one attention output plus its log-sum-exp.
+    """Bytes one stashed attention layer keeps per micro-batch in flight: one attention output plus its log-sum-exp
+    per attention call, for the model's last attention layer.
 
     Follows the real layout of the SDPA backend PyTorch picks for the model's attention shapes on ``device``
     (DeepSpeed's accelerator by default) in ``dtype`` (the model's by default): the output in ``dtype``, the
@@ -867,7 +976,9 @@ def attention_stash_layer_bytes(model: torch.nn.Module,
     like the stash itself, when PyTorch would pick a backend the stash cannot replay. For Qwen3-30B-A3B (32 query
     heads, head dimension 128) at micro-batch 4 and sequence 4096 in bfloat16 this is 136 MB.
     """
-    return _layer_bytes(model, micro_batch_size, sequence_length, dtype, device)[0][1]
+    attention_layers, _ = _model_attention_layers(model)
+    return _layer_bytes(attention_layers, micro_batch_size, sequence_length, dtype or _model_dtype(model),
+                        device)[0][1]
 
 
 def attention_stash_layers_for_budget(model: torch.nn.Module,
@@ -882,8 +993,9 @@ def attention_stash_layers_for_budget(model: torch.nn.Module,
     Each stashed layer keeps ``attention_stash_layer_bytes`` per micro-batch in flight: one, unless a schedule runs
     several forwards before their backwards (pipeline schedules, or accumulation that does).
     """
-    return _fitting_layers(_layer_bytes(model, micro_batch_size, sequence_length, dtype, device), memory_budget,
-                           micro_batches_in_flight)
+    attention_layers, _ = _model_attention_layers(model)
+    sizes = _layer_bytes(attention_layers, micro_batch_size, sequence_length, dtype or _model_dtype(model), device)
+    return _fitting_layers(sizes, memory_budget, micro_batches_in_flight)
 
 
 def _fitting_layers(sizes, memory_budget, micro_batches_in_flight):
@@ -936,6 +1048,36 @@ def _let_go():
         else:
             setattr(layer_class, _CHECKPOINT_FUNCTION, _replaced_class_attribute)
     _replaced_class_attribute = _MISSING
+
+
+def _install_message(model, chosen, attention_layers, others, sizes, micro_batch_size, sequence_length):
+    """The install's log line: what is stashed, at what cost, what is left out and why, in which checkpoint mode.
+    It never raises: where the planner cannot tell the cost, it says so."""
+    dtype = _model_dtype(model)
+    if sizes is not None:
+        total = sum(nbytes for _, nbytes in sizes[:len(chosen)])
+        cost = (f"{total:,} bytes per micro-batch in flight (micro-batch {micro_batch_size}, sequence "
+                f"{sequence_length})")
+    else:
+        try:
+            calls = [call for name, _, modules in chosen for call in _attention_calls(name, modules)]
+            per_token = sum(heads * (head_dim * dtype.itemsize + 4) for heads, _, head_dim in calls)
+            cost = (f"{per_token:,} bytes per token of each micro-batch in flight in {dtype} (give micro_batch_size "
+                    f"and sequence_length for the exact figure)")
+        except RuntimeError:
+            cost = "a cost the planner cannot tell for these attention modules"
+    message = (f"{_FEATURE}: keeping the attention output of {len(chosen)} of {len(attention_layers)} attention "
+               f"layers ({chosen[0][0]} to {chosen[-1][0]}) for their recompute: {cost}; "
+               f"{_checkpointing_mode(chosen[-1][1])}.")
+    if others:
+        reasons = {}
+        for _, why in others:
+            reasons[why] = reasons.get(why, 0) + 1
+        message += " Left out: " + "; ".join(
+            f"{count} decoder layers with {why}" if why.startswith("no ") else f"{count} decoder layers where {why}"
+            for why, count in reasons.items())
+        message += "."
+    return message
 
 
 def _let_go_when_unused():
@@ -1063,50 +1205,41 @@ def install_attention_stash(model: torch.nn.Module,
                            f'{implementation!r} on {type(model).__name__}. Load it with from_pretrained(..., '
                            f'attn_implementation="sdpa"), and pass the model itself (engine.module of a DeepSpeed '
                            f'engine).')
-    layers = _decoder_layers(model, layer_class)
-    layer_bytes = None
+    attention_layers, others = _model_attention_layers(model)
+    sizes = None
     if micro_batch_size is not None or sequence_length is not None:
         if micro_batch_size is None or sequence_length is None:
             raise TypeError(f"{_FEATURE} needs both micro_batch_size and sequence_length, or neither, got one.")
-        sizes = _layer_bytes(model, micro_batch_size, sequence_length, None, None)
-        layer_bytes = sizes[0][1]
+        sizes = _layer_bytes(attention_layers, micro_batch_size, sequence_length, _model_dtype(model), None)
     if memory_budget is not None:
         num_layers = _fitting_layers(sizes, memory_budget, micro_batches_in_flight)
         if num_layers == 0:
-            raise ValueError(f"{_FEATURE} needs a memory_budget of at least one layer's {layer_bytes:,} bytes per "
+            raise ValueError(f"{_FEATURE} needs a memory_budget of at least one layer's {sizes[0][1]:,} bytes per "
                              f"micro-batch in flight x {micro_batches_in_flight}, got {memory_budget:,}.")
-    if not 1 <= num_layers <= len(layers):
-        raise ValueError(f"{_FEATURE} needs num_layers from 1 to the model's {len(layers)} decoder layers, got "
-                         f"{num_layers}.")
-    chosen = layers[-num_layers:]
-    for name, layer in chosen:
+    if not 1 <= num_layers <= len(attention_layers):
+        raise ValueError(f"{_FEATURE} needs num_layers from 1 to the model's {len(attention_layers)} attention layers "
+                         f"(of {len(attention_layers) + len(others)} decoder layers), got {num_layers}.")
+    chosen = attention_layers[-num_layers:]
+    for name, layer, _ in chosen:
         if _class_defining(type(layer), _CHECKPOINT_FUNCTION) not in (None, layer_class):
             raise RuntimeError(f"{_FEATURE} needs {name} to keep its checkpoint function per instance, as "
                                f"GradientCheckpointingLayer does, got a class attribute {_CHECKPOINT_FUNCTION} on "
                                f"{type(layer).__name__}. Remove that attribute from the class.")
+    message = _install_message(model, chosen, attention_layers, others, sizes, micro_batch_size, sequence_length)
 
     counters = _Counters()
     with _LOCK:
-        for name, layer in chosen:
+        for name, layer, _ in chosen:
             if layer in _STASHES:
                 raise RuntimeError(f"{_FEATURE} needs one install per decoder layer, got a second one on {name}. Call "
                                    f"remove() on the first handle before installing again.")
+        # Raises before changing anything where Hugging Face's sdpa entry cannot be served; nothing raises after it.
+        _take_hold(layer_class, attention_functions)
         stashes = []
-        for name, layer in chosen:
+        for name, layer, _ in chosen:
             stash = _LayerStash(name, layer, config, counters)
             for module in layer.modules():
                 _STASHES[module] = stash
             stashes.append(stash)
-        _take_hold(layer_class, attention_functions)
-    if layer_bytes is None:
-        heads, head_dim = _attention_geometry(*chosen[-1])
-        dtype = _model_dtype(model)
-        cost = (f"{heads * (head_dim * dtype.itemsize + 4):,} bytes per token and layer of each micro-batch in flight "
-                f"in {dtype} (give micro_batch_size and sequence_length for the exact figure)")
-    else:
-        cost = (f"{layer_bytes * num_layers:,} bytes per micro-batch in flight ({layer_bytes:,} per layer at "
-                f"micro-batch {micro_batch_size}, sequence {sequence_length})")
-    logger.info(f"{_FEATURE}: keeping the attention output of {num_layers} of {len(layers)} decoder layers "
-                f"({chosen[0][0]} to {chosen[-1][0]}) for their recompute: {cost}; "
-                f"{_checkpointing_mode(chosen[-1][1])}.")
+    logger.info(message)
     return AttentionStashHandle(stashes, counters)

@@ -518,8 +518,8 @@ def test_rejects_non_integer_num_layers(num_layers):
 @pytest.mark.parametrize("num_layers", [0, -1, NUM_LAYERS + 1])
 def test_rejects_out_of_range_num_layers(num_layers):
     with pytest.raises(ValueError,
-                       match=f"needs num_layers from 1 to the model's {NUM_LAYERS} decoder layers, got "
-                       f"{num_layers}"):
+                       match=f"needs num_layers from 1 to the model's {NUM_LAYERS} attention layers \\(of "
+                       f"{NUM_LAYERS} decoder layers\\), got {num_layers}"):
         install_attention_stash(mixtral_model(), num_layers)
 
 
@@ -684,18 +684,20 @@ def test_replay_matches_autograd(device, backend, key_heads, masked):
 
 
 @requires_cuda
+@pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non_reentrant"])
 @pytest.mark.parametrize("masked", [False, True], ids=["causal", "padded"])
 @pytest.mark.parametrize("backend", CUDA_BACKENDS, ids=lambda backend: backend.name.lower())
-def test_cuda_two_layer_training_step(install, backend, masked):
+def test_cuda_two_layer_training_step(install, backend, masked, use_reentrant):
     """A two-layer model's training step with and without the stash, each backend forced, on equal-length or
-    left-padded sequences (flash attention takes no mask: PyTorch does not pick it for the padded batch)."""
-    model = checkpointed(
-        qwen3_moe_model(torch.bfloat16,
-                        num_hidden_layers=2,
-                        hidden_size=512,
-                        num_attention_heads=8,
-                        num_key_value_heads=8,
-                        head_dim=64).cuda())
+    left-padded sequences (flash attention takes no mask: PyTorch does not pick it for the padded batch), under both
+    checkpoint modes."""
+    model = checkpointed(qwen3_moe_model(torch.bfloat16,
+                                         num_hidden_layers=2,
+                                         hidden_size=512,
+                                         num_attention_heads=8,
+                                         num_key_value_heads=8,
+                                         head_dim=64).cuda(),
+                         use_reentrant=use_reentrant)
     ids = batch_ids(sequence=256).cuda()
     inputs = dict(input_ids=ids, labels=ids)
     if masked:

@@ -126,10 +126,12 @@ def test_install_log_line(install):
     assert messages[0].endswith(f"; reentrant checkpointing{replayed}")
     assert messages[1].endswith(f"; non-reentrant checkpointing{replayed}")
     assert messages[2].endswith(f"; checkpointing not enabled yet{replayed}")
-    assert "keeping the attention output of 2 of 3 decoder layers (model.layers.1 to model.layers.2)" in messages[0]
-    assert f"{4 * (16 * 4 + 4):,} bytes per token and layer of each micro-batch in flight" in messages[0]
+    assert "keeping the attention output of 2 of 3 attention layers (model.layers.1 to model.layers.2)" in messages[0]
+    # Two layers of 4 query heads of dimension 16: the output and an FP32 log-sum-exp per head and token.
+    assert f"{2 * 4 * (16 * 4 + 4):,} bytes per token of each micro-batch in flight" in messages[0]
     per_layer = 2 * 4 * 32 * (16 * 4 + 4)
-    assert f"{per_layer:,} bytes per micro-batch in flight ({per_layer:,} per layer at micro-batch 2" in messages[1]
+    assert f"{per_layer:,} bytes per micro-batch in flight (micro-batch 2, sequence 32)" in messages[1]
+    assert all("Left out" not in message for message in messages)
 
 
 @pytest.mark.parametrize("kwargs, error, message", [
@@ -161,9 +163,10 @@ def test_planner_rejects_what_the_stash_cannot_serve():
         attention_stash_layer_bytes(model, 2, 32, device="cpu")
     for layer in model.model.layers:
         del layer.self_attn.head_dim
+        layer.self_attn.config = None
     with pytest.raises(RuntimeError,
-                       match="needs an attention module with config.num_attention_heads and a head_dim in "
-                       "model.layers.2"):
+                       match="needs the head count and head dimension of MixtralAttention in model.layers.2 to plan "
+                       "its memory"):
         attention_stash_layer_bytes(model, 2, 32, device="cpu")
 
 
