@@ -820,6 +820,12 @@ def _attention_kind(module, interface):
     return "direct" if "scaled_dot_product_attention" in names else None
 
 
+def _is_cross_attention(name, module):
+    """Whether an attention module of a decoder layer attends to an encoder's states, as transformers names them."""
+    return (getattr(module, "is_cross_attention", False) is True or "Cross" in type(module).__name__
+            or any(part in name for part in ("encoder_attn", "crossattention", "cross_attn")))
+
+
 def _attention_layers(model, layer_class, interface):
     """The decoder layers with softmax attention through the attention interface, as (name, layer, attention
     modules), and the others as (name, why they are left out), in model order; found from the modules' code, without
@@ -827,10 +833,14 @@ def _attention_layers(model, layer_class, interface):
     attention_layers, others = [], []
     for name, layer in _decoder_layers(model, layer_class):
         kinds = {}
-        for module in layer.modules():
-            kinds.setdefault(_attention_kind(module, interface), []).append(module)
-        if "interface" in kinds:
-            attention_layers.append((name, layer, kinds["interface"]))
+        for module_name, module in layer.named_modules():
+            kind = _attention_kind(module, interface)
+            if kind == "interface" and _is_cross_attention(module_name, module):
+                kind = "cross"
+            kinds.setdefault(kind, []).append(module)
+        if "interface" in kinds or "cross" in kinds:
+            # The planner counts self-attention calls: a causal LM runs its cross-attention only given encoder states.
+            attention_layers.append((name, layer, kinds.get("interface") or kinds["cross"]))
         elif "direct" in kinds:
             others.append((name, f"{type(kinds['direct'][0]).__name__} calls F.scaled_dot_product_attention itself, "
                            f"not through Hugging Face's attention interface"))

@@ -16,13 +16,15 @@ import torch
 import transformers
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from deepspeed.runtime.activation_checkpointing import attention_stash
 from deepspeed.runtime.activation_checkpointing.attention_stash import install_attention_stash
 
 from attention_stash_helpers import (CPU_BACKWARD, CPU_FORWARD, MODELS, NUM_LAYERS, CountOps, assert_same_grads,
-                                     batch_ids, checkpointed, counted_step, free_port, kept_outputs, llama_model,
-                                     mixtral_model, param_grads, qwen3_moe_model, stashed_train_step, train_step)
+                                     assert_stock_process, batch_ids, checkpointed, counted_step, free_port,
+                                     kept_outputs, llama_model, mixtral_model, param_grads, qwen3_moe_model,
+                                     stashed_train_step, train_step)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -507,6 +509,64 @@ def test_rejects_second_install(install):
     with pytest.raises(RuntimeError, match="needs one install per decoder layer, got a second one on model.layers.2"):
         install_attention_stash(model, 2)
     assert len(attention_stash._STASHES) > 0 and model.model.layers[1] not in attention_stash._STASHES
+
+
+def _refuse_other_implementation(model, monkeypatch):
+    model.config._attn_implementation = "eager"
+    return install_attention_stash(model, 1)
+
+
+def _refuse_a_class_attribute(model, monkeypatch):
+    monkeypatch.setattr(type(model.model.layers[2]), "_gradient_checkpointing_func", None, raising=False)
+    return install_attention_stash(model, 1)
+
+
+def _refuse_an_unservable_sdpa_entry(model, monkeypatch):
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, "sdpa", lambda *args, **kwargs: None)
+    return install_attention_stash(model, 1)
+
+
+def _refuse_a_plan_without_geometry(model, monkeypatch):
+    for layer in model.model.layers:
+        monkeypatch.delattr(layer.self_attn, "head_dim")
+        monkeypatch.setattr(layer.self_attn, "config", None)
+    return install_attention_stash(model, 1, micro_batch_size=2, sequence_length=32)
+
+
+@pytest.mark.parametrize("refuse, message", [
+    (lambda model, _: install_attention_stash(model, NUM_LAYERS + 1), "needs num_layers from 1 to the model's"),
+    (lambda model, _: install_attention_stash(model, memory_budget=1, micro_batch_size=2, sequence_length=32),
+     "needs a memory_budget of at least one layer's"),
+    (_refuse_other_implementation, 'needs a Hugging Face model with attn_implementation="sdpa"'),
+    (_refuse_a_class_attribute, "needs model.layers.2 to keep its checkpoint function per instance"),
+    (_refuse_an_unservable_sdpa_entry, "needs Hugging Face's sdpa attention function"),
+    (_refuse_a_plan_without_geometry, "needs the head count and head dimension of MixtralAttention"),
+],
+                         ids=["range", "budget", "implementation", "class_attribute", "sdpa_entry", "geometry"])
+def test_a_refused_install_leaves_nothing_installed(monkeypatch, refuse, message):
+    """Every check runs before anything is installed: a refused install leaves no layer registered, no slot on the
+    layer class and no wrapper in the sdpa entry, and a later install goes through."""
+    model = checkpointed(mixtral_model())
+    with pytest.raises((RuntimeError, ValueError), match=message):
+        refuse(model, monkeypatch)
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is not attention_stash._stashing_sdpa
+    assert "_gradient_checkpointing_func" not in GradientCheckpointingLayer.__dict__
+    assert not attention_stash._STASHES and attention_stash._original_sdpa is None
+    monkeypatch.undo()
+    assert_stock_process()
+    handle = install_attention_stash(checkpointed(mixtral_model()), 1)
+    handle.remove()
+    assert_stock_process()
+
+
+def test_a_refused_second_install_leaves_the_first_as_it_was(install):
+    model = checkpointed(mixtral_model())
+    first = install(model, 1)
+    with pytest.raises(RuntimeError, match="needs one install per decoder layer, got a second one on model.layers.2"):
+        install_attention_stash(model, 2)
+    assert set(attention_stash._STASHES.values()) == set(first._stashes)
+    first.remove()
+    assert_stock_process()
 
 
 @pytest.mark.parametrize("num_layers", [True, 1.0, "2"])

@@ -1,0 +1,165 @@
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""The stash across transformers' decoder families, on tiny random configs.
+
+Hybrids (softmax-attention layers between linear-attention or state-space layers), attention modules not shaped like
+Llama's (GPT-NeoX, BERT as a decoder), layers with two attention calls (DiffLlama), and families whose attention
+bypasses Hugging Face's attention interface (Falcon, Doge), which are refused at install. Every served case is bitwise
+against the plain recompute, with every recompute counted, and the planner's bytes equal what the stash kept. A
+refused install leaves the process stock. CI runs them on both checkpoint layouts of transformers; a family that the
+installed transformers lacks is skipped.
+"""
+
+import logging
+
+import pytest
+import torch
+import transformers
+
+from deepspeed.runtime.activation_checkpointing.attention_stash import (attention_stash_layer_bytes,
+                                                                        install_attention_stash)
+from deepspeed.utils import logger
+
+from attention_stash_helpers import (CPU_FORWARD, assert_same_grads, assert_stock_process, batch_ids, checkpointed,
+                                     counted_step, param_grads)
+
+_SMALL = dict(vocab_size=128, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, max_position_embeddings=64)
+_MOE = dict(num_experts=4, num_experts_per_tok=2)
+_QWEN3_NEXT = dict(num_key_value_heads=2,
+                   head_dim=16,
+                   intermediate_size=128,
+                   moe_intermediate_size=32,
+                   shared_expert_intermediate_size=32,
+                   linear_num_value_heads=4,
+                   linear_key_head_dim=16,
+                   linear_value_head_dim=16,
+                   linear_num_key_heads=2,
+                   layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+                   **_MOE)
+_JAMBA = dict(num_key_value_heads=2,
+              intermediate_size=128,
+              mamba_d_state=8,
+              mamba_dt_rank=32,
+              attn_layer_period=2,
+              attn_layer_offset=1,
+              expert_layer_period=2,
+              expert_layer_offset=1,
+              use_mamba_kernels=False,
+              **_MOE)
+_BERT = dict(intermediate_size=128, is_decoder=True, attention_probs_dropout_prob=0.0, hidden_dropout_prob=0.0)
+_DIFFLLAMA = dict(num_key_value_heads=2, head_dim=16, intermediate_size=128)
+# family: (model class, config class, config beyond _SMALL, the attention layers among its 4 decoder layers)
+FAMILIES = {
+    # Three linear-attention (gated delta net) layers per full-attention layer, as Qwen3.5 and Qwen3-Next ship them.
+    "qwen3_next": ("Qwen3NextForCausalLM", "Qwen3NextConfig", _QWEN3_NEXT, ["model.layers.2"]),
+    # Mamba layers between attention layers.
+    "jamba": ("JambaForCausalLM", "JambaConfig", _JAMBA, ["model.layers.1", "model.layers.3"]),
+    # head_size, not head_dim.
+    "gpt_neox": ("GPTNeoXForCausalLM", "GPTNeoXConfig", dict(intermediate_size=128),
+                 [f"gpt_neox.layers.{index}" for index in range(4)]),
+    # attention_head_size, and a decoder made of an encoder's layers.
+    "bert": ("BertLMHeadModel", "BertConfig", _BERT, [f"bert.encoder.layer.{index}" for index in range(4)]),
+    # Two attention calls per layer.
+    "diffllama":
+    ("DiffLlamaForCausalLM", "DiffLlamaConfig", _DIFFLLAMA, [f"model.layers.{index}" for index in range(4)]),
+}
+REFUSED = {
+    "falcon": ("FalconForCausalLM", "FalconConfig", dict(num_kv_heads=2, ffn_hidden_size=128), None),
+    "doge": ("DogeForCausalLM", "DogeConfig", dict(num_key_value_heads=2, intermediate_size=128, **_MOE), None),
+}
+
+
+def family_model(family):
+    model_class, config_class, extra, _ = FAMILIES.get(family) or REFUSED[family]
+    if not hasattr(transformers, model_class):
+        pytest.skip(f"transformers {transformers.__version__} has no {model_class}")
+    torch.manual_seed(0)
+    config = getattr(transformers, config_class)(**{**_SMALL, **extra, "attn_implementation": "sdpa"})
+    return getattr(transformers, model_class)(config).float()
+
+
+def _inputs(model):
+    ids = batch_ids(sequence=16)
+    return dict(input_ids=ids, labels=ids)
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non_reentrant"])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_family_served_bitwise(install, family, use_reentrant):
+    model = checkpointed(family_model(family), use_reentrant=use_reentrant)
+    attention_layers = FAMILIES[family][3]
+    inputs = _inputs(model)
+    expected_loss, expected, plain_calls = counted_step(model, **inputs)
+    handle = install(model, len(attention_layers))
+    assert handle.layers == tuple(attention_layers)
+    calls = 2 if family == "diffllama" else 1
+    model.zero_grad(set_to_none=True)
+    loss = model(**inputs).loss
+    assert handle.num_kept == calls * len(attention_layers)
+    # The planner's bytes are what the stash keeps, calls and geometry included.
+    assert handle.kept_bytes == len(attention_layers) * attention_stash_layer_bytes(model, 2, 16, device="cpu")
+    loss.backward()
+    assert (handle.num_kept, handle.recomputes_served) == (0, calls * len(attention_layers))
+    assert torch.equal(loss.detach(), expected_loss)
+    assert_same_grads(param_grads(model), expected)
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "jamba"])
+def test_hybrid_counts_attention_layers(install, family):
+    """num_layers counts the layers with softmax attention from the end; the range error and the log line say how
+    many there are and what was left out."""
+    model = checkpointed(family_model(family))
+    attention_layers = FAMILIES[family][3]
+    with pytest.raises(
+            ValueError,
+            match=f"needs num_layers from 1 to the model's {len(attention_layers)} attention layers \\(of 4 "
+            f"decoder layers\\), got {len(attention_layers) + 1}"):
+        install_attention_stash(model, len(attention_layers) + 1)
+    assert_stock_process()
+    records = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append
+    logger.addHandler(handler)
+    previous = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        handle = install(model, 1)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(previous)
+    assert handle.layers == (attention_layers[-1], )
+    (message, ) = [record.getMessage() for record in records]
+    assert f"keeping the attention output of 1 of {len(attention_layers)} attention layers" in message
+    assert message.endswith(f"Left out: {4 - len(attention_layers)} decoder layers with no softmax attention (linear "
+                            f"attention, a state-space or convolution mixer).")
+    # The budget counts attention layers too.
+    handle.remove()
+    per_layer = attention_stash_layer_bytes(model, 2, 16, device="cpu")
+    handle = install(model, memory_budget=10 * per_layer, micro_batch_size=2, sequence_length=16)
+    assert handle.layers == tuple(attention_layers)
+    inputs = _inputs(model)
+    handle.remove()
+    expected_loss, expected, _ = counted_step(model, **inputs)
+    handle = install(model, len(attention_layers))
+    loss, grads, calls = counted_step(model, **inputs)
+    assert handle.recomputes_served == len(attention_layers) and calls[CPU_FORWARD] == 0
+    assert torch.equal(loss, expected_loss)
+    assert_same_grads(grads, expected)
+
+
+@pytest.mark.parametrize("family, why", [
+    ("falcon", "FalconAttention calls F.scaled_dot_product_attention itself, not through Hugging Face's attention "
+     "interface"),
+    ("doge", "DogeAttention calls attention through an attention interface of its own "
+     "\\(transformers.models.doge.modeling_doge.ALL_ATTENTION_FUNCTIONS\\), not Hugging Face's"),
+])
+def test_attention_that_bypasses_the_interface_is_refused_at_install(family, why):
+    model = checkpointed(family_model(family))
+    with pytest.raises(
+            RuntimeError,
+            match=f"needs decoder layers with softmax attention through Hugging Face's attention interface "
+            f"\\(ALL_ATTENTION_FUNCTIONS\\), whose sdpa entry it serves, got none in {type(model).__name__}: "
+            f"in .*\\.3, {why}. Train this model without the stash."):
+        install_attention_stash(model, 1)
+    assert_stock_process()
