@@ -375,6 +375,37 @@ def _check_mask_preparation(ops, choice, bias, query, key, value, mask, is_causa
     _MASKS_CHECKED.add((ops, mask.dtype))
 
 
+def _mask_identity(mask):
+    return mask.data_ptr(), mask.shape, mask.stride(), mask.dtype, mask._version
+
+
+# Rows of a mask digested at once, so that a digest never holds more than this slice of the mask in float64.
+_DIGEST_ROWS = 256
+# Random weights over the keys of a mask, per key count and device.
+_DIGEST_WEIGHTS = {}
+
+
+def _mask_digest(mask):
+    """A fingerprint of a mask's values, for a mask the checkpoint does not hold: for each query row, the sum of its
+    finite values and the sum of its -inf positions, each against fixed random weights over the keys, in float64.
+    Equal masks give equal digests bit for bit (the same kernels on the same shapes); a mask with other values gives
+    another, but for a coincidence of the weights."""
+    keys = mask.shape[-1]
+    weights = _DIGEST_WEIGHTS.get((keys, mask.device))
+    if weights is None:
+        weights = torch.rand(keys, dtype=torch.float64, generator=torch.Generator().manual_seed(keys)) + 1.0
+        weights = _DIGEST_WEIGHTS[keys, mask.device] = weights.to(mask.device)
+    digest = []
+    for rows in mask.split(_DIGEST_ROWS, dim=-2):
+        if rows.dtype == torch.bool:
+            digest.append(torch.where(rows, weights, 0.0).sum(-1))
+        else:
+            rows = rows.double()
+            blocked = torch.isneginf(rows)
+            digest += [torch.where(blocked, weights, 0.0).sum(-1), (rows.masked_fill(blocked, 0.0) * weights).sum(-1)]
+    return digest
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # One checkpoint call of a stashed layer.
 # ---------------------------------------------------------------------------------------------------------------------
@@ -404,8 +435,11 @@ class _CheckpointCall:
     # For each attention call of the first pass, until the recompute takes it: (ops, attention output, saved tensors,
     # scalars, bytes counted, the output's version counter when kept).
     kept = ()
-    # What identifies each call's attention mask in the first pass, for the recompute to compare; None without masks.
+    # What identifies each call's attention mask in the first pass, for the recompute to compare; None without masks:
+    # (True, identity) for a mask the checkpoint holds, (False, (shape, dtype), digest) for one built in the layer.
     masks = None
+    # The layer call's positional and keyword inputs, during the first pass.
+    inputs = None
     # Whether the first pass recorded the stash's node in the graph (non-reentrant checkpointing), until the recompute
     # ran: then only the stash's node can fill that node's saved tensors, even after the stash's removal.
     recorded = False
@@ -427,12 +461,15 @@ class _CheckpointCall:
             # Removed between the forward and this recompute, which runs stock attention: what was kept goes now.
             self._release()
         self.calls = 0
+        # The first pass's inputs, which the checkpoint holds, for _holds; not kept past the pass.
+        self.inputs = args, kwargs
         previous = _state.call
         _state.call = self
         try:
             outputs = self.function(*args, **kwargs)
         finally:
             _state.call = previous
+            self.inputs = None
             if passes == 2 and self.recorded:
                 self._unrecord()
         if not self.calls and self.stash.active:
@@ -540,26 +577,50 @@ class _CheckpointCall:
         if dropout_p != 0.0:
             raise RuntimeError(f"{_FEATURE} needs attention dropout 0 in {self.stash.name}, got {dropout_p}. Set the "
                                f"model config's attention_dropout to 0.0, or remove the stash.")
-        mask = None
-        if attn_mask is not None:
-            if attn_mask.requires_grad:
-                raise RuntimeError(f"{_FEATURE} needs an attention mask that does not require grad in "
-                                   f"{self.stash.name}, got a learned one. Remove the stash from layers with learned "
-                                   f"attention biases.")
-            # While the checkpoint holds a mask no other tensor has its data pointer; the version counts changes.
-            mask = attn_mask.data_ptr(), attn_mask.shape, attn_mask.stride(), attn_mask.dtype, attn_mask._version
+        if attn_mask is not None and attn_mask.requires_grad:
+            raise RuntimeError(f"{_FEATURE} needs an attention mask that does not require grad in {self.stash.name}, "
+                               f"got a learned one. Remove the stash from layers with learned attention biases.")
         masks = self.masks
         if self.passes == 1:
             if masks is None:
                 masks = self.masks = [None] * index
-            masks.append(mask)
+            if attn_mask is None:
+                masks.append(None)
+            elif self._holds(attn_mask):
+                # While the checkpoint holds the mask no other tensor has its storage; the version counts changes.
+                masks.append((True, _mask_identity(attn_mask)))
+            else:
+                # Built inside the layer (a sparse-attention indexer's top-k, say): compared by value.
+                masks.append((False, (attn_mask.shape, attn_mask.dtype), _mask_digest(attn_mask)))
             return
         expected = masks[index] if masks is not None and index < len(masks) else None
-        if mask != expected:
+        if (attn_mask is None) != (expected is None):
             raise RuntimeError(f"{_FEATURE} needs the recompute of {self.stash.name} to get its forward's attention "
-                               f"mask, got {'another one' if mask and expected else 'a change from or to none'} "
-                               f"(another tensor, shape or version): the kept output is the forward's. Do not change "
-                               f"a mask in place between a forward and its backward.")
+                               f"mask, got a change from or to none: the kept output is the forward's.")
+        if attn_mask is None:
+            return
+        if expected[0]:
+            if _mask_identity(attn_mask) != expected[1]:
+                raise RuntimeError(f"{_FEATURE} needs the recompute of {self.stash.name} to get its forward's "
+                                   f"attention mask, got another one (another tensor, shape or version): the kept "
+                                   f"output is the forward's. Do not change a mask in place between a forward and its "
+                                   f"backward.")
+        elif (attn_mask.shape, attn_mask.dtype) != expected[1] or not all(
+                torch.equal(ours, theirs) for ours, theirs in zip(_mask_digest(attn_mask), expected[2])):
+            raise RuntimeError(f"{_FEATURE} needs the recompute of {self.stash.name} to build the attention mask its "
+                               f"forward built inside the layer, got one with other values (a nondeterministic "
+                               f"choice, such as a top-k over tied scores, can differ between the passes): the kept "
+                               f"output is the forward's. Make the mask's computation deterministic, or remove the "
+                               f"stash from this layer.")
+
+    def _holds(self, tensor):
+        """Whether the checkpoint holds ``tensor``'s storage: whether it is (a view of) a tensor input of the layer's
+        checkpointed call, positional or bound in the function."""
+        pointer = tensor.untyped_storage().data_ptr()
+        args, kwargs = self.inputs
+        inputs = (*args, *kwargs.values(), *(getattr(self.function, "keywords", None) or {}).values())
+        return any(
+            isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() == pointer for value in inputs)
 
     def _release(self):
         for entry in self.kept:

@@ -49,6 +49,25 @@ _JAMBA = dict(num_key_value_heads=2,
               **_MOE)
 _BERT = dict(intermediate_size=128, is_decoder=True, attention_probs_dropout_prob=0.0, hidden_dropout_prob=0.0)
 _DIFFLLAMA = dict(num_key_value_heads=2, head_dim=16, intermediate_size=128)
+# Multi-head latent attention with a sparse-attention indexer, whose top-k mask the layer builds in each pass.
+_DEEPSEEK_V32 = dict(num_key_value_heads=4,
+                     head_dim=8,
+                     intermediate_size=128,
+                     moe_intermediate_size=32,
+                     n_routed_experts=4,
+                     num_experts_per_tok=2,
+                     n_shared_experts=1,
+                     n_group=1,
+                     topk_group=1,
+                     kv_lora_rank=16,
+                     q_lora_rank=32,
+                     qk_rope_head_dim=8,
+                     qk_nope_head_dim=8,
+                     v_head_dim=16,
+                     index_topk=4,
+                     index_head_dim=16,
+                     index_n_heads=2,
+                     first_k_dense_replace=1)
 # family: (model class, config class, config beyond _SMALL, the attention layers among its 4 decoder layers)
 FAMILIES = {
     # Three linear-attention (gated delta net) layers per full-attention layer, as Qwen3.5 and Qwen3-Next ship them.
@@ -60,6 +79,8 @@ FAMILIES = {
                  [f"gpt_neox.layers.{index}" for index in range(4)]),
     # attention_head_size, and a decoder made of an encoder's layers.
     "bert": ("BertLMHeadModel", "BertConfig", _BERT, [f"bert.encoder.layer.{index}" for index in range(4)]),
+    "deepseek_v32":
+    ("DeepseekV32ForCausalLM", "DeepseekV32Config", _DEEPSEEK_V32, [f"model.layers.{index}" for index in range(4)]),
     # Two attention calls per layer.
     "diffllama":
     ("DiffLlamaForCausalLM", "DiffLlamaConfig", _DIFFLLAMA, [f"model.layers.{index}" for index in range(4)]),
@@ -163,3 +184,27 @@ def test_attention_that_bypasses_the_interface_is_refused_at_install(family, why
             f"in .*\\.3, {why}. Train this model without the stash."):
         install_attention_stash(model, 1)
     assert_stock_process()
+
+
+def test_a_mask_built_in_the_layer_that_differs_in_the_recompute_is_refused(install):
+    """DeepSeek-V3.2 builds its sparse-attention mask from the indexer's top-k in each pass: a recompute whose top-k
+    differs (a nondeterministic choice) gets another mask, and the stash names that cause."""
+    model = checkpointed(family_model("deepseek_v32"))
+    indexer = model.model.layers[3].self_attn.indexer
+    forward, runs = indexer.forward, []
+
+    def drifting(*args, **kwargs):
+        indices = forward(*args, **kwargs)
+        runs.append(None)
+        # The recompute picks the next key over from the forward's choice.
+        return indices if len(runs) == 1 else (indices + 1) % indices.shape[1]
+
+    indexer.forward = drifting
+    handle = install(model, 1)
+    loss = model(**_inputs(model)).loss
+    with pytest.raises(RuntimeError,
+                       match="needs the recompute of model.layers.3 to build the attention mask its forward built "
+                       "inside the layer, got one with other values"):
+        loss.backward()
+    del loss
+    assert (handle.num_kept, handle.recomputes_served) == (0, 0)
