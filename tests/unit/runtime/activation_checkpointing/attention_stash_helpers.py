@@ -3,7 +3,9 @@
 # DeepSpeed Team
 """Tiny Hugging Face MoE models and helpers shared by the attention stash tests and their two-rank script."""
 
+import contextlib
 import gc
+import logging
 import socket
 from collections import Counter
 
@@ -54,6 +56,25 @@ def mistral_model(dtype=torch.float32, **overrides):
 
 
 MODELS = {"mixtral": mixtral_model, "qwen3_moe": qwen3_moe_model}
+
+
+@contextlib.contextmanager
+def logged_messages():
+    """The messages DeepSpeed's logger takes at INFO inside the block, in the list it yields, once the block ends."""
+    from deepspeed.utils import logger
+
+    records, messages = [], []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append
+    logger.addHandler(handler)
+    previous = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        yield messages
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(previous)
+        messages.extend(record.getMessage() for record in records)
 
 
 def free_port():

@@ -11,18 +11,15 @@ refused install leaves the process stock. CI runs them on both checkpoint layout
 installed transformers lacks is skipped.
 """
 
-import logging
-
 import pytest
 import torch
 import transformers
 
 from deepspeed.runtime.activation_checkpointing.attention_stash import (attention_stash_layer_bytes,
                                                                         install_attention_stash)
-from deepspeed.utils import logger
 
 from attention_stash_helpers import (CPU_FORWARD, assert_same_grads, assert_stock_process, batch_ids, checkpointed,
-                                     counted_step, param_grads)
+                                     counted_step, logged_messages, param_grads)
 
 _SMALL = dict(vocab_size=128, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, max_position_embeddings=64)
 _MOE = dict(num_experts=4, num_experts_per_tok=2)
@@ -138,19 +135,10 @@ def test_hybrid_counts_attention_layers(install, family):
             f"decoder layers\\), got {len(attention_layers) + 1}"):
         install_attention_stash(model, len(attention_layers) + 1)
     assert_stock_process()
-    records = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = records.append
-    logger.addHandler(handler)
-    previous = logger.level
-    logger.setLevel(logging.INFO)
-    try:
+    with logged_messages() as messages:
         handle = install(model, 1)
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(previous)
     assert handle.layers == (attention_layers[-1], )
-    (message, ) = [record.getMessage() for record in records]
+    (message, ) = messages
     assert f"keeping the attention output of 1 of {len(attention_layers)} attention layers" in message
     assert message.endswith(f"Left out: {4 - len(attention_layers)} decoder layers with no softmax attention (linear "
                             f"attention, a state-space or convolution mixer).")

@@ -4,7 +4,6 @@
 """The memory planner, the budget install, the handle's counters and the install log line."""
 
 import gc
-import logging
 
 import pytest
 import torch
@@ -14,9 +13,9 @@ from deepspeed.runtime.activation_checkpointing import attention_stash
 from deepspeed.runtime.activation_checkpointing.attention_stash import (attention_stash_layer_bytes,
                                                                         attention_stash_layers_for_budget,
                                                                         install_attention_stash)
-from deepspeed.utils import logger
 
-from attention_stash_helpers import NUM_LAYERS, batch_ids, checkpointed, mixtral_model, qwen3_moe_model
+from attention_stash_helpers import (NUM_LAYERS, batch_ids, checkpointed, logged_messages, mixtral_model,
+                                     qwen3_moe_model)
 
 
 def _forward(model, batch, sequence, seed=1):
@@ -105,21 +104,11 @@ def test_counters_across_steps(install):
 
 
 def test_install_log_line(install):
-    records = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = records.append
-    logger.addHandler(handler)
-    previous = logger.level
-    logger.setLevel(logging.INFO)
-    try:
+    with logged_messages() as messages:
         model = checkpointed(mixtral_model())
         install(model, 2)
         install(checkpointed(mixtral_model(), use_reentrant=False), 1, micro_batch_size=2, sequence_length=32)
         install(mixtral_model(), 1)
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(previous)
-    messages = [record.getMessage() for record in records]
     assert len(messages) == 3
     # The mode each serves in, as far as the enabled checkpointing tells at install.
     replayed = ": the recompute replays the kept output through the kernel's backward, in either mode."
@@ -173,3 +162,16 @@ def test_planner_rejects_what_the_stash_cannot_serve():
 def test_planner_rejects_a_model_without_decoder_layers():
     with pytest.raises(RuntimeError, match="needs a model with Hugging Face decoder layers .*got Linear without any"):
         attention_stash_layer_bytes(torch.nn.Linear(2, 2), 2, 32, device="cpu")
+
+
+def test_install_without_geometry_logs_that_the_cost_is_unknown(install, monkeypatch):
+    """The install never fails for the sake of its log line: without a batch shape it needs no plan."""
+    model = checkpointed(mixtral_model())
+    for layer in model.model.layers:
+        monkeypatch.delattr(layer.self_attn, "head_dim")
+        monkeypatch.setattr(layer.self_attn, "config", None)
+    with logged_messages() as messages:
+        handle = install(model, 1)
+    assert handle.layers == ("model.layers.2", )
+    (message, ) = messages
+    assert "for their recompute: a cost the planner cannot tell for these attention modules;" in message
