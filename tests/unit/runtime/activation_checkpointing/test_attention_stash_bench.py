@@ -60,7 +60,8 @@ def test_bench_arms_agree_and_keep_the_formula(bench, tmp_path, capsys):
     assert "arms agree" in table[-1] and "selective AC (SDPA)" in table[-3]
     # The two values of each arm's first numbers column are named, and every comparison against plain carries its
     # noise (the plain row itself has none).
-    header, _, *rows = table[-3].splitlines()
+    title, header, _, *rows = table[-3].splitlines()
+    assert title.startswith("attention stash benchmark: Qwen3-MoE 2 layers")
     assert "fwd / rev sweep (ms)" in header and "vs plain (± noise)" in header
     assert "fwd / rev sweep: the arm's median step time in the forward sweep" in table[-2]
     assert len(rows) == 6 and all(re.search(r" [+-]\d+\.\d% ± \d+\.\d%", row) for row in rows[1:])
