@@ -376,12 +376,55 @@ def _largest(values):
     return max(values) if values else None
 
 
+def _range(values):
+    values = [value for value in values if value is not None]
+    return [min(values), max(values)] if values else None
+
+
 def _quartiles(times):
     """First and third quartile of the timed steps: the spread a saving must stand out from."""
     if len(times) < 2:
         return [times[0], times[0]]
     first, _, third = statistics.quantiles(times, n=4, method="inclusive")
     return [first, third]
+
+
+def verdict(difference, noise, bound=None):
+    """The one rule every comparison the benchmark prints is judged by.
+
+    ``noise`` is the wider interquartile range of the two arms compared (for memory, the wider range of their runs),
+    in the difference's units. A difference within its noise is UNRESOLVED; so is any difference whose ``bound`` (the
+    most it can physically be: the attention forward, for the saving per stashed layer) is within the noise. A
+    difference beyond its bound plus the noise is NOISY: the machine moved the timings. Returns None for a result.
+    """
+    if bound is not None and difference > bound + noise:
+        return "NOISY"
+    if (noise > 0 and abs(difference) <= noise) or (bound is not None and noise >= bound):
+        return "UNRESOLVED"
+    return None
+
+
+def _width(interval):
+    low, high = interval
+    return high - low
+
+
+def compare(row, base, key="median_ms"):
+    """``row`` against ``base``: the difference of their step-time medians (or of a memory figure, ``key``), its noise
+    and the verdict. Relative figures are fractions of ``base``'s value."""
+    if key == "median_ms":
+        noise = max(_width(row["quartiles_ms"]), _width(base["quartiles_ms"]))
+    else:
+        noise = max(_width(row[f"{key}_range"]), _width(base[f"{key}_range"]))
+    difference = row[key] - base[key]
+    return {
+        "against": base["label"],
+        "difference": difference,
+        "noise": noise,
+        "relative": difference / base[key],
+        "relative_noise": noise / base[key],
+        "verdict": verdict(difference, noise),
+    }
 
 
 def summarize(settings, arms, runs, attention_ms):
@@ -407,6 +450,11 @@ def summarize(settings, arms, runs, attention_ms):
             _largest(run["peak_rss_bytes"] for run in results),
             "peak_live_bytes":
             _largest(run["peak_live_bytes"] for run in results),
+            # The lowest and highest of each memory figure over the arm's runs: its noise.
+            **{
+                f"{key}_range": _range(run[key] for run in results)
+                for key in ("peak_allocated_bytes", "peak_rss_bytes", "peak_live_bytes")
+            },
             "kept_bytes":
             max(run["kept_bytes"] for run in results),
             "recomputes_served":
@@ -421,7 +469,10 @@ def summarize(settings, arms, runs, attention_ms):
     baselines = {row["kind"]: row for row in by_arm if row["kind"] in ("plain", "non_reentrant")}
     plain = baselines["plain"]
     for row in by_arm:
-        row["vs_plain"] = row["median_ms"] / plain["median_ms"] - 1.0
+        vs_plain = compare(row, plain)
+        row["vs_plain"], row["vs_plain_noise"], row["vs_plain_verdict"] = (vs_plain["relative"],
+                                                                           vs_plain["relative_noise"],
+                                                                           vs_plain["verdict"])
         if row["kind"] in STASH_KINDS:
             base_row = baselines[STASH_KINDS[row["kind"]]]
             row["baseline"] = base_row["label"]
@@ -437,7 +488,8 @@ def summarize(settings, arms, runs, attention_ms):
             row["noise_per_layer_ms"] = spread / row["stashed"]
             # The stash saves at most one attention forward per stashed layer and micro-batch; a larger saving than
             # that plus the noise says the machine moved the timings, not the stash.
-            row["noisy"] = row["saved_per_layer_ms"] > attention_ms + row["noise_per_layer_ms"]
+            row["saved_verdict"] = verdict(row["saved_per_layer_ms"], row["noise_per_layer_ms"], bound=attention_ms)
+            row["noisy"] = row["saved_verdict"] == "NOISY"
 
     # Same-arm repeat noise against the spread across arms, step by step.
     repeat_noise = max(
@@ -453,11 +505,51 @@ def _memory_columns(device):
     return [("peak live", "peak_live_bytes"), ("peak RSS", "peak_rss_bytes")]
 
 
+def _percent(comparison):
+    """A relative comparison with its noise, and its verdict where it is not a result."""
+    text = f"{comparison['relative']:+.1%} ± {comparison['relative_noise']:.1%}"
+    return text if comparison["verdict"] is None else f"{text} {comparison['verdict']}"
+
+
+def _mib_change(comparison):
+    text = f"{comparison['difference'] / 2**20:+,.1f} ± {comparison['noise'] / 2**20:,.1f} MiB"
+    return text if comparison["verdict"] is None else f"{text} {comparison['verdict']}"
+
+
+def comparisons(settings, by_arm):
+    """The arm comparisons the table prints below the per-layer savings, each with its noise and verdict."""
+    memory_label, memory_key = _memory_columns(settings["device"])[0]
+    kinds = {row["kind"]: row for row in by_arm if row["kind"] != "stash"}
+    stashed = [row for row in by_arm if row["kind"] == "stash"]
+    lines = []
+    if not stashed:
+        return lines
+    full = max(stashed, key=lambda row: row["stashed"])
+    if "stash_nr" in kinds:
+        lines.append((f"{kinds['stash_nr']['label']} against {full['label']} (reentrant)", [
+            ("step time", _percent(compare(kinds["stash_nr"], full))),
+        ]))
+    if "selective" in kinds:
+        selective = kinds["selective"]
+        lines.append((f"{full['label']} against {selective['label']}", [
+            ("step time", _percent(compare(full, selective))),
+            (memory_label, _mib_change(compare(full, selective, memory_key))),
+        ]))
+        # Each over its own checkpointing without saving: what keeping the attention outputs costs in memory.
+        lines.append((f"{full['label']} over {kinds['plain']['label']}", [
+            (memory_label, _mib_change(compare(full, kinds["plain"], memory_key))),
+        ]))
+        lines.append((f"{selective['label']} over {kinds['non_reentrant']['label']}", [
+            (memory_label, _mib_change(compare(selective, kinds["non_reentrant"], memory_key))),
+        ]))
+    return lines
+
+
 def format_table(settings, by_arm, attention_ms, backend, predicted_bytes, repeat_noise, cross_arm):
     device = settings["device"]
     columns = _memory_columns(device)
-    header = (f"{'arm':<24}{'stashed':>6}  {'run medians (ms)':<22}{'median (ms)':>12}{'IQR (ms)':>20}"
-              f"{'vs plain':>10}" + "".join(f"{label:>15}" for label, _ in columns) + f"{'kept/layer':>14}")
+    header = (f"{'arm':<24}{'stashed':>6}  {'fwd / rev sweep (ms)':<22}{'median (ms)':>12}{'IQR (ms)':>20}"
+              f"{'vs plain (± noise)':>30}" + "".join(f"{label:>15}" for label, _ in columns) + f"{'kept/layer':>14}")
     lines = [header, "-" * len(header)]
 
     def mib(value):
@@ -466,25 +558,36 @@ def format_table(settings, by_arm, attention_ms, backend, predicted_bytes, repea
     for row in by_arm:
         kept = f"{row['kept_per_layer_bytes'] / 2**20:.2f} MiB" if row["kind"] in STASH_KINDS else "-"
         quartiles = " - ".join(f"{q:,.1f}" for q in row["quartiles_ms"])
+        if row["kind"] == "plain":
+            vs_plain = "-"
+        else:
+            vs_plain = f"{row['vs_plain']:+.1%} ± {row['vs_plain_noise']:.1%}"
+            if row["vs_plain_verdict"] is not None:
+                vs_plain += f" {row['vs_plain_verdict']}"
         lines.append(f"{row['label']:<24}{row['stashed'] if row['stashed'] else '-':>6}  "
                      f"{' / '.join(f'{m:,.1f}' for m in row['run_medians_ms']):<22}{row['median_ms']:>12,.1f}"
-                     f"{quartiles:>20}{row['vs_plain']:>+10.2%}" + "".join(f"{mib(row[key]):>15}"
-                                                                           for _, key in columns) + f"{kept:>14}")
+                     f"{quartiles:>20}{vs_plain:>30}" + "".join(f"{mib(row[key]):>15}"
+                                                                for _, key in columns) + f"{kept:>14}")
+    lines.append("")
+    lines.append("fwd / rev sweep: the arm's median step time in the forward sweep (arms in table order), then in the "
+                 "reverse sweep; median and IQR (interquartile range): over the timed steps of both sweeps.")
+    lines.append("every comparison: the difference of two medians ± its noise, the wider IQR of the two arms (for "
+                 "memory, the wider range of their runs); within its noise it is UNRESOLVED, not a result.")
     lines.append("")
     lines.append(f"attention forward (op-level gate): {attention_ms:.2f} ms per layer and micro-batch, query "
                  f"({settings['micro_batch']}, {settings['heads']}, {settings['sequence']}, {settings['head_dim']}), "
                  f"{settings['kv_heads']} key/value heads, {settings['dtype']}, {device}, SDPA backend {backend}")
     for row in by_arm:
         if row["kind"] in STASH_KINDS:
-            saved = (f"{row['saved_per_layer_ms']:.2f} ms against {row['baseline']} (sweeps "
-                     f"{' / '.join(f'{saved:.1f}' for saved in row['saved_per_layer_by_sweep_ms'])}, noise "
-                     f"{row['noise_per_layer_ms']:.2f} ms)")
-            if row["noisy"]:
+            saved = (f"{row['saved_per_layer_ms']:.2f} ± {row['noise_per_layer_ms']:.2f} ms against "
+                     f"{row['baseline']} (sweeps "
+                     f"{' / '.join(f'{saved:.1f}' for saved in row['saved_per_layer_by_sweep_ms'])})")
+            if row["saved_verdict"] == "NOISY":
                 verdict = (f"NOISY: more than the attention forward ({attention_ms:.2f} ms) plus the noise allows; "
                            f"the machine moved the timings, repeat the run on an idle machine")
-            elif row["noise_per_layer_ms"] >= attention_ms:
-                verdict = (f"UNRESOLVED: the noise is as large as the attention forward ({attention_ms:.2f} ms); "
-                           f"time longer sequences or more steps, on an idle machine")
+            elif row["saved_verdict"] == "UNRESOLVED":
+                verdict = (f"UNRESOLVED: within the noise, or the noise as large as the attention forward "
+                           f"({attention_ms:.2f} ms); time longer sequences or more steps, on an idle machine")
             else:
                 verdict = f"{row['saved_fraction_of_attention']:.0%} of the attention forward"
             lines.append(f"saved per stashed layer and micro-batch, {row['label']}: {saved} = {verdict}; "
@@ -492,19 +595,8 @@ def format_table(settings, by_arm, attention_ms, backend, predicted_bytes, repea
                          f"{predicted_bytes:,} B (output + FP32 LSE), "
                          f"{row['kept_per_layer_bytes'] / predicted_bytes - 1:+.2%}; recomputes served "
                          f"{row['recomputes_served']:,} = {row['stashed']} layers x {row['steps_run']} steps")
-    kinds = {row["kind"]: row for row in by_arm if row["kind"] != "stash"}
-    if "stash_nr" in kinds:
-        reentrant = max((row for row in by_arm if row["kind"] == "stash"), key=lambda row: row["stashed"])
-        lines.append(f"the stash on all layers, non-reentrant against reentrant: step time "
-                     f"{kinds['stash_nr']['median_ms'] / reentrant['median_ms'] - 1:+.2%}")
-    if "selective" in kinds:
-        full = max((row for row in by_arm if row["kind"] == "stash"), key=lambda row: row["stashed"])
-        selective, label, key = kinds["selective"], columns[0][0], columns[0][1]
-        lines.append(f"stash on all {full['stashed']} layers against selective AC: step time "
-                     f"{full['median_ms'] / selective['median_ms'] - 1:+.2%}, {label} "
-                     f"{(full[key] - selective[key]) / 2**20:+,.1f} MiB; each over its own checkpointing without "
-                     f"saving: stash {(full[key] - kinds['plain'][key]) / 2**20:+,.1f} MiB over reentrant, selective "
-                     f"AC {(selective[key] - kinds['non_reentrant'][key]) / 2**20:+,.1f} MiB over non-reentrant")
+    for subject, parts in comparisons(settings, by_arm):
+        lines.append(f"{subject}: " + ", ".join(f"{name} {text}" for name, text in parts))
     agree = "agree" if cross_arm <= repeat_noise else "DIFFER"
     lines.append(f"losses: largest difference across arms {cross_arm:.3g}, same-arm repeat noise {repeat_noise:.3g}: "
                  f"arms {agree}")
@@ -523,33 +615,85 @@ def _matplotlib():
 
 
 def plot(path, settings, by_arm):
+    """Step time and memory against stashed layers, each arm's median with its spread; returns the figure.
+
+    Time: the median with the interquartile range as error bars. Memory: the largest run with the range of the runs
+    as error bars, on an axis from zero. Each checkpointing mode is one line from its recompute (0 stashed layers) to
+    its stash arms; a stash arm whose saving per layer is not a result (UNRESOLVED or NOISY) is drawn hollow and
+    labelled. Selective AC, which stashes no layer, is a horizontal line with its spread as a band.
+    """
     matplotlib = _matplotlib()
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    stash = sorted((row for row in by_arm if row["kind"] in ("plain", "stash")), key=lambda row: row["stashed"])
     memory_label, memory_key = _memory_columns(settings["device"])[0]
     mib = 2**20
-    figure, (time_axis, memory_axis) = plt.subplots(1, 2, figsize=(10, 4))
-    layers = [row["stashed"] for row in stash]
-    time_axis.plot(layers, [row["median_ms"] for row in stash], "o-", label="attention stash")
-    memory_axis.plot(layers, [row[memory_key] / mib for row in stash], "o-", label="attention stash")
-    for row, style in ((row, style) for row in by_arm for kind, style in (("non_reentrant", ":"), ("selective", "--"))
-                       if row["kind"] == kind):
-        time_axis.axhline(row["median_ms"], color="gray", linestyle=style, label=row["label"])
-        memory_axis.axhline(row[memory_key] / mib, color="gray", linestyle=style, label=row["label"])
-    time_axis.set(xlabel="stashed layers", ylabel="median step time (ms)")
-    memory_axis.set(xlabel="stashed layers", ylabel=f"{memory_label} (MiB)")
+    figure, (time_axis, memory_axis) = plt.subplots(1, 2, figsize=(11, 4.5))
+    series = [("reentrant: plain recompute, stash", ("plain", "stash"), "C0", 0.0),
+              ("non-reentrant: recompute, stash", ("non_reentrant", "stash_nr"), "C1", 0.06 * settings["layers"])]
+    unresolved_label = "saving per layer UNRESOLVED or NOISY"
+    for label, kinds, color, offset in series:
+        rows = sorted((row for row in by_arm if row["kind"] in kinds), key=lambda row: row["stashed"])
+        if len(rows) < 2:
+            continue
+        x = [row["stashed"] + offset for row in rows]
+        medians = [row["median_ms"] for row in rows]
+        time_axis.errorbar(x,
+                           medians,
+                           yerr=[[m - row["quartiles_ms"][0] for m, row in zip(medians, rows)],
+                                 [row["quartiles_ms"][1] - m for m, row in zip(medians, rows)]],
+                           fmt="o-",
+                           color=color,
+                           capsize=4,
+                           label=label)
+        memory = [row[memory_key] / mib for row in rows]
+        memory_axis.errorbar(x,
+                             memory,
+                             yerr=[[m - row[f"{memory_key}_range"][0] / mib for m, row in zip(memory, rows)],
+                                   [row[f"{memory_key}_range"][1] / mib - m for m, row in zip(memory, rows)]],
+                             fmt="o-",
+                             color=color,
+                             capsize=4,
+                             label=label)
+        for axis, values in ((time_axis, medians), (memory_axis, memory)):
+            hollow = [(position, value, row["saved_verdict"]) for position, value, row in zip(x, values, rows)
+                      if row.get("saved_verdict")]
+            if hollow:
+                axis.plot([h[0] for h in hollow], [h[1] for h in hollow],
+                          "o",
+                          markersize=9,
+                          markerfacecolor="white",
+                          markeredgecolor=color,
+                          label=unresolved_label)
+                unresolved_label = None  # one legend entry for both modes
+            if axis is time_axis:
+                for position, value, word in hollow:
+                    axis.annotate(word, (position, value), textcoords="offset points", xytext=(6, 6), fontsize=8)
+    for row in by_arm:
+        if row["kind"] == "selective":
+            time_axis.axhline(row["median_ms"], color="gray", linestyle="--", label=f"{row['label']}, IQR band")
+            time_axis.axhspan(*row["quartiles_ms"], color="gray", alpha=0.2)
+            memory_axis.axhline(row[memory_key] / mib, color="gray", linestyle="--", label=row["label"])
+            memory_axis.axhspan(*(value / mib for value in row[f"{memory_key}_range"]), color="gray", alpha=0.2)
+    time_axis.set(xlabel="stashed layers", ylabel="step time (ms): median, bars the IQR")
+    memory_axis.set(xlabel="stashed layers", ylabel=f"{memory_label} (MiB): bars the runs' range")
+    # From zero: an axis around the data alone would make the stash's bytes look large. Headroom for the legend.
+    memory_axis.set_ylim(0, 1.3 * max(row[f"{memory_key}_range"][1] for row in by_arm) / mib)
+    layers = sorted({row["stashed"] for row in by_arm})
     for axis in (time_axis, memory_axis):
         axis.set_xticks(layers)
-        axis.legend()
+    time_axis.legend(fontsize=8)
+    memory_axis.legend(fontsize=8, loc="lower right")
     figure.suptitle(f"attention stash, {settings['layers']} layers, sequence {settings['sequence']}, micro-batch "
                     f"{settings['micro_batch']}, {settings['dtype']} on {settings['device']}")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return figure
 
 
 def main(argv=None):
+    started = time.perf_counter()
     args, settings = parse_args(argv)
     if args.plot:
         _matplotlib()  # before the runs, not after them
@@ -623,29 +767,45 @@ def main(argv=None):
                                                   settings["sequence"],
                                                   device=settings["device"])
     by_arm, repeat_noise, cross_arm = summarize(settings, arms, runs, attention_ms)
+    if args.plot:
+        plot(args.plot, settings, by_arm)
+    # Everything the command did, DeepSpeed's start and the warm-up included: what the README's estimate claims.
+    wall_s = time.perf_counter() - started
 
     if args.json:
         with open(args.json, "w") as file:
             json.dump(
                 {
-                    "settings": settings,
+                    "settings":
+                    settings,
                     "versions": {
                         "torch": torch.__version__,
                         "transformers": transformers.__version__,
                         "deepspeed": deepspeed.__version__
                     },
-                    "autoep": args.autoep,
-                    "attention_forward_ms": attention_ms,
-                    "sdpa_backend": backend,
-                    "kept_bytes_predicted": predicted_bytes,
-                    "loss_repeat_noise": repeat_noise,
-                    "loss_cross_arm": cross_arm,
-                    "arms": by_arm,
+                    "autoep":
+                    args.autoep,
+                    "attention_forward_ms":
+                    attention_ms,
+                    "sdpa_backend":
+                    backend,
+                    "kept_bytes_predicted":
+                    predicted_bytes,
+                    "loss_repeat_noise":
+                    repeat_noise,
+                    "loss_cross_arm":
+                    cross_arm,
+                    "arms":
+                    by_arm,
+                    "comparisons": [{
+                        "subject": subject,
+                        "parts": dict(parts)
+                    } for subject, parts in comparisons(settings, by_arm)],
+                    "wall_s":
+                    wall_s,
                 },
                 file,
                 indent=2)
-    if args.plot:
-        plot(args.plot, settings, by_arm)
     print()
     padding = f"rows padded up to {settings['pad_fraction']:.0%}, " if settings["pad_fraction"] else ""
     print(f"attention stash benchmark: Qwen3-MoE {settings['layers']} layers, {settings['experts']} experts "
@@ -654,6 +814,9 @@ def main(argv=None):
           f"{settings['warmup']} per run{', AutoEP' if args.autoep else ''}; torch {torch.__version__}, "
           f"transformers {transformers.__version__}, deepspeed {deepspeed.__version__}")
     print(format_table(settings, by_arm, attention_ms, backend, predicted_bytes, repeat_noise, cross_arm))
+    print(
+        f"wall time: {int(wall_s // 60)} min {int(wall_s % 60):02d} s ({wall_s:.1f} s), from the start to the table, "
+        f"for {len(order)} runs of {settings['warmup'] + settings['steps']} steps after a warm-up of each mode")
 
 
 if __name__ == "__main__":

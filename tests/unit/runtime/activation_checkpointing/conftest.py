@@ -3,6 +3,8 @@
 # DeepSpeed Team
 """The install fixture of the attention stash tests: every test leaves the process as it found it."""
 
+import logging
+
 import pytest
 
 from deepspeed.runtime.activation_checkpointing.attention_stash import install_attention_stash
@@ -24,3 +26,16 @@ def install():
     for handle in handles:
         handle.remove()
     assert_stock_process()
+
+
+@pytest.fixture(autouse=True)
+def _restore_logging_tensor_logger():
+    """PyTorch's checkpoint debug mode (debug=True) leaves its "LoggingTensor" logger at INFO and non-propagating.
+    pytest >= 9.1 attaches its log capture to every non-propagating logger at each test's start, and torch < 2.15 logs
+    each op of a debug-mode checkpoint with arguments its message cannot format: the next test with debug=True fails
+    with "TypeError: not all arguments converted during string formatting". Restore the logger after each test."""
+    yield
+    logger = logging.getLogger("LoggingTensor")
+    logger.propagate = True
+    logger.setLevel(logging.NOTSET)
+    logger.filters.clear()

@@ -8,7 +8,9 @@ Nothing here is timed; speed and memory are the benchmark's to measure.
 
 import json
 import os
+import re
 import sys
+import time
 
 import pytest
 
@@ -27,7 +29,13 @@ def bench():
 
 def test_bench_arms_agree_and_keep_the_formula(bench, tmp_path, capsys):
     path = tmp_path / "bench.json"
-    bench.main(["--layers", "2", "--sequence", "64", "--steps", "1", "--experts", "2", "--json", str(path)])
+    started = time.perf_counter()
+    bench.main([
+        "--layers", "2", "--sequence", "64", "--steps", "1", "--experts", "2", "--json",
+        str(path), "--plot",
+        str(tmp_path / "bench.png")
+    ])
+    elapsed = time.perf_counter() - started
     result = json.loads(path.read_text())
     arms = {arm["label"]: arm for arm in result["arms"]}
     assert list(arms) == [
@@ -47,8 +55,25 @@ def test_bench_arms_agree_and_keep_the_formula(bench, tmp_path, capsys):
     assert arms["stash 2, non-reentrant"]["recomputes_served"] == 8
     assert arms["stash 2, non-reentrant"]["kept_bytes"] == 2 * formula
     assert arms["stash 2, non-reentrant"]["baseline"] == "non-reentrant recompute"
-    table = capsys.readouterr().out.rsplit("\n\n", 2)
-    assert "arms agree" in table[-1] and "selective AC (SDPA)" in table[-2]
+    out = capsys.readouterr().out
+    table = out.rsplit("\n\n", 3)
+    assert "arms agree" in table[-1] and "selective AC (SDPA)" in table[-3]
+    # The two values of each arm's first numbers column are named, and every comparison against plain carries its
+    # noise (the plain row itself has none).
+    title, header, _, *rows = table[-3].splitlines()
+    assert title.startswith("attention stash benchmark: Qwen3-MoE 2 layers")
+    assert "fwd / rev sweep (ms)" in header and "vs plain (± noise)" in header
+    assert "fwd / rev sweep: the arm's median step time in the forward sweep" in table[-2]
+    assert len(rows) == 6 and all(re.search(r" [+-]\d+\.\d% ± \d+\.\d%", row) for row in rows[1:])
+    for comparison in result["comparisons"]:
+        assert all(" ± " in part for part in comparison["parts"].values()), comparison
+    # The run's wall time, printed last: the README's estimate is checked against it.
+    wall = re.search(r"^wall time: (\d+) min (\d\d) s \((\d+\.\d) s\), from the start to the table",
+                     out.splitlines()[-1])
+    assert wall is not None, out.splitlines()[-1]
+    assert 0 < result["wall_s"] <= elapsed and float(wall[3]) == round(result["wall_s"], 1)
+    assert int(wall[1]) * 60 + int(wall[2]) == int(result["wall_s"])
+    assert (tmp_path / "bench.png").stat().st_size > 0
 
 
 def test_bench_padded_batches(bench, tmp_path):
@@ -80,23 +105,31 @@ def test_bench_fails_a_stash_that_does_not_serve(bench, monkeypatch):
         bench.main(["--layers", "2", "--sequence", "64", "--steps", "1", "--experts", "2", "--no-sac"])
 
 
-def _fake_runs(bench, device, saved_ms):
-    """Results shaped as a run on ``device`` reports them: CUDA has peak allocated, no RSS and no live-tensor bytes."""
+def _fake_runs(bench, device, saved_ms, spread_ms=1.0):
+    """Results shaped as a run on ``device`` reports them: CUDA has peak allocated, no RSS and no live-tensor bytes.
+
+    Each run's steps are its median and the median -/+ ``spread_ms``: an interquartile range of 1.5 x ``spread_ms``
+    over an arm's two runs. A stash arm is ``saved_ms`` per stashed layer faster than its recompute.
+    """
     settings = {**bench.PRESETS["qwen3-30b-a3b" if device == "cuda" else "cpu"], "pad_fraction": 0.0}
     arms = [
         dict(label="plain recompute", kind="plain", stashed=0),
         dict(label="stash 4 layers", kind="stash", stashed=4),
         dict(label="stash 8 layers", kind="stash", stashed=8),
         dict(label="non-reentrant recompute", kind="non_reentrant", stashed=0),
+        dict(label="stash 8, non-reentrant", kind="stash_nr", stashed=8),
         dict(label="selective AC (SDPA)", kind="selective", stashed=0),
     ]
     base = {"plain": 1000.0, "non_reentrant": 1010.0, "selective": 995.0}
     runs = []
     for arm in arms + arms[::-1]:
-        median = base.get(arm["kind"], 1000.0 - saved_ms * arm["stashed"])
+        if arm["kind"] in bench.STASH_KINDS:
+            median = base[bench.STASH_KINDS[arm["kind"]]] - saved_ms * arm["stashed"]
+        else:
+            median = base[arm["kind"]]
         runs.append((arm["label"], {
             "recomputes_served": arm["stashed"] * 8,
-            "times_ms": [median - 1.0, median, median + 1.0],
+            "times_ms": [median - spread_ms, median, median + spread_ms],
             "median_ms": median,
             "losses": [2.5] * 8,
             "kept_bytes": arm["stashed"] * 136_314_880,
@@ -107,6 +140,27 @@ def _fake_runs(bench, device, saved_ms):
     return settings, arms, runs
 
 
+def _plotted(figure):
+    """Per axis: the error-bar series by label, as (x, median, lower bar, upper bar), the hollow (unresolved) points
+    and the annotations."""
+    from matplotlib.container import ErrorbarContainer
+
+    axes = []
+    for axis in figure.axes:
+        series = {}
+        for container in axis.containers:
+            if isinstance(container, ErrorbarContainer):
+                line, _, (bars, ) = container.lines
+                spans = [segment[:, 1] for segment in bars.get_segments()]
+                series[container.get_label()] = [
+                    (x, y, y - low, high - y) for x, y, (low, high) in zip(line.get_xdata(), line.get_ydata(), spans)
+                ]
+        hollow = [(x, y) for line in axis.lines if line.get_markerfacecolor() == "white"
+                  for x, y in zip(line.get_xdata(), line.get_ydata())]
+        axes.append((series, hollow, [text.get_text() for text in axis.texts]))
+    return axes
+
+
 def test_report_of_a_gpu_run(bench, tmp_path):
     """The GPU preset's results (peak allocated, no RSS) make a table, JSON-able rows and a plot, without a GPU."""
     settings, arms, runs = _fake_runs(bench, "cuda", saved_ms=0.9)
@@ -114,11 +168,66 @@ def test_report_of_a_gpu_run(bench, tmp_path):
     table = bench.format_table(settings, by_arm, 0.93, "CUDNN_ATTENTION", 136_314_880, repeat_noise, cross_arm)
     json.dumps(by_arm)
     assert "peak alloc" in table and "peak RSS" not in table and "NOISY" not in table
-    assert "= 97% of the attention forward" in table
+    assert table.count("= 97% of the attention forward") == 3
+    # Differences of 2.2 ms and more against an interquartile range of 1.5 ms: every comparison is a result.
+    assert table.count("UNRESOLVED") == 1  # the legend's
+    assert "stash 8, non-reentrant against stash 8 layers (reentrant): step time +1.0% ± 0.2%\n" in table
+    assert "stash 8 layers against selective AC (SDPA): step time -0.2% ± 0.2%, peak alloc +1,040.0 ± 0.0 MiB" in table
     stashed = next(row for row in by_arm if row["label"] == "stash 8 layers")
     assert stashed["peak_rss_bytes"] is None and stashed["peak_allocated_bytes"] == 60 * 2**30 + 8 * 136_314_880
-    bench.plot(str(tmp_path / "bench.png"), settings, by_arm)
+    assert (stashed["vs_plain"], stashed["vs_plain_verdict"]) == (pytest.approx(-0.0072), None)
+    figure = bench.plot(str(tmp_path / "bench.png"), settings, by_arm)
     assert (tmp_path / "bench.png").stat().st_size > 0
+    (times, hollow, texts), (memory, _, _) = _plotted(figure)
+    # Both checkpointing modes, each from its recompute to its stash arms, with each arm's interquartile range.
+    reentrant, non_reentrant = times["reentrant: plain recompute, stash"], times["non-reentrant: recompute, stash"]
+    assert [(x, y) for x, y, *_ in reentrant] == [(0, 1000.0), (4, pytest.approx(996.4)), (8, pytest.approx(992.8))]
+    assert [y for _, y, *_ in non_reentrant] == [1010.0, pytest.approx(1002.8)]
+    assert non_reentrant[-1][0] > 8  # beside the reentrant arm, not on it
+    for _, _, low, high in reentrant + non_reentrant:
+        assert (low, high) == (pytest.approx(0.75), pytest.approx(0.75))
+    assert hollow == [] and texts == []
+    # Memory from zero.
+    assert figure.axes[1].get_ylim()[0] == 0 and len(memory) == 2
+
+
+def test_report_calls_comparisons_within_the_noise_unresolved(bench, tmp_path):
+    """Arms 10 ms apart or less, with an interquartile range of 150 ms: no comparison is a result, in the table, the
+    per-layer savings or the plot."""
+    settings, arms, runs = _fake_runs(bench, "cpu", saved_ms=0.9, spread_ms=100.0)
+    by_arm, repeat_noise, cross_arm = bench.summarize(settings, arms, runs, attention_ms=0.93)
+    table = bench.format_table(settings, by_arm, 0.93, "FLASH_ATTENTION", 136_314_880, repeat_noise, cross_arm)
+    header, _, *rows = table.split("\n\n")[0].splitlines()
+    assert len(rows) == 6 and "±" not in rows[0]  # plain against itself: no comparison
+    for row in rows[1:]:
+        assert re.search(r" [+-]\d+\.\d% ± \d+\.\d% UNRESOLVED ", row), row
+    assert table.count("= UNRESOLVED: within the noise") == 3
+    assert "stash 8, non-reentrant against stash 8 layers (reentrant): step time +1.0% ± 15.1% UNRESOLVED\n" in table
+    assert "stash 8 layers against selective AC (SDPA): step time -0.2% ± 15.1% UNRESOLVED, peak live" in table
+    assert all(row["vs_plain_verdict"] == "UNRESOLVED" for row in by_arm if row["kind"] != "plain")
+    figure = bench.plot(str(tmp_path / "bench.png"), settings, by_arm)
+    (times, hollow, texts), (_, memory_hollow, _) = _plotted(figure)
+    # Every stash arm is drawn hollow and labelled, the recomputes (0 stashed layers) are not.
+    assert sorted(x for x, _ in hollow) == [4, 8, pytest.approx(8.24)] and len(memory_hollow) == 3
+    assert texts == ["UNRESOLVED"] * 3
+    assert figure.axes[1].get_ylim()[0] == 0
+
+
+@pytest.mark.parametrize(
+    "difference, noise, bound, expected",
+    [
+        (2.0, 1.0, None, None),  # beyond its noise: a result
+        (-2.0, 1.0, None, None),
+        (0.5, 1.0, None, "UNRESOLVED"),  # within it
+        (-1.0, 1.0, None, "UNRESOLVED"),
+        (0.0, 0.0, None, None),  # exact figures (memory) need no noise
+        (0.9, 0.5, 1.0, None),
+        (0.4, 0.5, 1.0, "UNRESOLVED"),
+        (0.9, 1.2, 1.0, "UNRESOLVED"),  # the noise covers all the bound allows
+        (1.6, 0.5, 1.0, "NOISY"),  # more than the bound plus the noise
+    ])
+def test_one_verdict_rule(bench, difference, noise, bound, expected):
+    assert bench.verdict(difference, noise, bound) == expected
 
 
 def test_report_calls_a_saving_beyond_the_attention_forward_noisy(bench):
@@ -126,7 +235,7 @@ def test_report_calls_a_saving_beyond_the_attention_forward_noisy(bench):
     settings, arms, runs = _fake_runs(bench, "cpu", saved_ms=2.0)
     by_arm, repeat_noise, cross_arm = bench.summarize(settings, arms, runs, attention_ms=0.93)
     table = bench.format_table(settings, by_arm, 0.93, "FLASH_ATTENTION", 136_314_880, repeat_noise, cross_arm)
-    assert table.count("NOISY: more than the attention forward (0.93 ms) plus the noise allows") == 2
+    assert table.count("NOISY: more than the attention forward (0.93 ms) plus the noise allows") == 3
 
 
 def test_host_benchmark_runs_and_counts_what_it_served(capsys):

@@ -4,6 +4,7 @@
 """The add-on ships one module into the stock DeepSpeed package and nothing that would replace DeepSpeed's files."""
 
 import os
+import re
 from importlib import metadata
 
 import pytest
@@ -29,3 +30,27 @@ def test_installed_distribution_ships_only_the_module():
         pytest.skip("deepspeed-attention-stash is not installed (pip install .)")
     shipped = [str(path) for path in installed[0].files if not str(path).split("/")[0].endswith(".dist-info")]
     assert [path for path in shipped if not path.endswith(".pyc")] == [MODULE]
+
+
+def _torch_specifiers(path):
+    """The version specifiers of each torch requirement in a requirements file."""
+    from packaging.requirements import Requirement
+
+    with open(path) as file:
+        lines = [line.split("#")[0].strip() for line in file]
+    requirements = [Requirement(line) for line in lines if line and not line.startswith("-")]
+    return [requirement.specifier for requirement in requirements if requirement.name == "torch"]
+
+
+def test_requirements_keep_an_installed_torch_the_module_supports():
+    """pip install -r requirements/... must not replace a user's torch (2.15, say) with CI's: the pin is CI's alone."""
+    folder = os.path.join(REPO, "requirements")
+    required = _torch_specifiers(os.path.join(folder, "requirements.txt"))
+    with open(os.path.join(REPO, "setup.py")) as file:
+        supported = re.search(r'"torch([^"]*)"', file.read())[1]
+    assert [str(specifier) for specifier in required] == [supported] == [">=2.11"]
+    assert "2.15.0" in required[0] and "2.13.0+cpu" in required[0]
+    for name in sorted(set(os.listdir(folder)) - {"requirements.txt", "constraints-ci.txt"}):
+        assert _torch_specifiers(os.path.join(folder, name)) == [], name  # torch comes from requirements.txt only
+    assert [str(specifier)
+            for specifier in _torch_specifiers(os.path.join(folder, "constraints-ci.txt"))] == ["==2.13.0"]
