@@ -10,7 +10,7 @@ process group (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT):
     torchrun --standalone --nproc_per_node 1 examples/attention_stash_train.py
 
 The model is a 4-layer Qwen3-MoE built from a config (nothing is downloaded) with per-layer activation checkpointing;
-the stash serves the recompute of its last ``--stash-layers`` decoder layers. The script prints the stash's install
+the stash serves the recompute of its last ``--stash-layers`` attention layers. The script prints the stash's install
 line from DeepSpeed's logger, the loss of each step and the handle's counters, and fails if any recompute was not
 served. The first run on a machine builds DeepSpeed's CPU communication op (a C++ compiler is needed, about 20 s).
 """
