@@ -63,6 +63,17 @@ def _float_mask(mask, dtype):
                        torch.full((), -math.inf, dtype=dtype, device=mask.device))
 
 
+def _saved_tensors(ctx):
+    """A stash node's saved tensors as (query, key, value, mask, output, the kernel's other saved tensors)."""
+    saved = ctx.saved_tensors
+    if ctx.order is None:
+        return saved
+    ordered = [None] * ctx.size
+    for index, tensor in zip(ctx.order, saved):
+        ordered[index] = tensor
+    return ordered
+
+
 class _StashedAttention(torch.autograd.Function):
     """The recompute's attention node, one subclass per backend: returns the output the first pass kept, and its
     backward is the backend kernel's backward. Like autograd's own node for these kernels, that backward is not
@@ -70,13 +81,19 @@ class _StashedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, key, value, mask, kept, is_causal, scale):
-        # ``kept`` starts with (ops, output, saved tensors, scalars) of the kernel: in a recompute, what the first pass
-        # kept; in the first pass of a non-reentrant checkpoint, the kernel's fresh outputs, so that the node saves the
-        # same tensors, in the same order, in both passes, as the checkpoint matches them.
-        out, tensors, scalars = kept[1], kept[2], kept[3]
-        ctx.save_for_backward(query, key, value, mask, out, *tensors)
-        ctx.scalars, ctx.is_causal, ctx.scale = scalars, is_causal, scale
-        return out
+        # ``kept`` is what the first pass kept of the call: (ops, output, saved tensors, scalars, bytes, version,
+        # order). Under reentrant checkpointing this node runs the backward, and ``order`` is None. Under non-reentrant
+        # checkpointing the first pass's own kernel node runs it: this node saves the tensors that node saved, in its
+        # order (see _native_saves), for the checkpoint to fill that node's saved tensors with them.
+        order = kept[6]
+        saved = (query, key, value, mask, kept[1], *kept[2])
+        if order is None:
+            ctx.save_for_backward(*saved)
+        else:
+            ctx.save_for_backward(*[saved[index] for index in order])
+            ctx.size = len(saved)
+        ctx.order, ctx.scalars, ctx.is_causal, ctx.scale = order, kept[3], is_causal, scale
+        return kept[1]
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -115,7 +132,7 @@ class _CpuFlashOps(_StashedAttention):
 
     @staticmethod
     def backward(ctx, grad_out):
-        query, key, value, mask, out, lse = ctx.saved_tensors
+        query, key, value, mask, out, lse = _saved_tensors(ctx)
         grad_query, grad_key, grad_value = aten._scaled_dot_product_flash_attention_for_cpu_backward.default(
             grad_out, query, key, value, out, lse, 0.0, ctx.is_causal, attn_mask=mask, scale=ctx.scale)
         return grad_query, grad_key, grad_value, None, None, None, None
@@ -155,7 +172,7 @@ class _CudnnOps(_StashedAttention):
 
     @staticmethod
     def backward(ctx, grad_out):
-        query, key, value, mask, out, lse, philox_seed, philox_offset, cum_seq_q, cum_seq_k = ctx.saved_tensors
+        query, key, value, mask, out, lse, philox_seed, philox_offset, cum_seq_q, cum_seq_k = _saved_tensors(ctx)
         max_q, max_k = ctx.scalars
         grad_query, grad_key, grad_value = aten._scaled_dot_product_cudnn_attention_backward.default(grad_out,
                                                                                                      query,
@@ -203,7 +220,7 @@ class _FlashOps(_StashedAttention):
 
     @staticmethod
     def backward(ctx, grad_out):
-        query, key, value, mask, out, lse, cum_seq_q, cum_seq_k, rng_state, unused = ctx.saved_tensors
+        query, key, value, mask, out, lse, cum_seq_q, cum_seq_k, rng_state, unused = _saved_tensors(ctx)
         max_q, max_k = ctx.scalars
         # The derivative passes rng_state and unused as the philox seed and offset.
         grad_query, grad_key, grad_value = aten._scaled_dot_product_flash_attention_backward.default(grad_out,
@@ -264,7 +281,7 @@ class _EfficientOps(_StashedAttention):
 
     @staticmethod
     def backward(ctx, grad_out):
-        query, key, value, mask, out, lse, philox_seed, philox_offset = ctx.saved_tensors
+        query, key, value, mask, out, lse, philox_seed, philox_offset = _saved_tensors(ctx)
         # grad_input_mask: which of query, key, value and the bias need a gradient; a mask never does here.
         grad_query, grad_key, grad_value, _ = aten._scaled_dot_product_efficient_attention_backward.default(
             grad_out,
@@ -375,6 +392,37 @@ def _check_mask_preparation(ops, choice, bias, query, key, value, mask, is_causa
     _MASKS_CHECKED.add((ops, mask.dtype))
 
 
+# (ops, whether a mask is given) -> the positions in (query, key, value, mask, output, *the kernel's saved tensors) of
+# the tensors that the kernel's own autograd node saves, in the order it saves them.
+_NATIVE_SAVES = {}
+
+
+def _native_saves(ops, query, key, value, bias, is_causal, scale):
+    """What the backend kernel's own autograd node saves, in its order, as positions in the stash node's saves; found
+    once per backend and mask presence in a process, by running the kernel on detached copies under a recording
+    saved-tensor hook, since PyTorch's generated code sets that order. Raises for a saved tensor the stash does not
+    have."""
+    known = _NATIVE_SAVES.get((ops, bias is None))
+    if known is not None:
+        return known
+    packed = []
+    leaves = [tensor.detach().requires_grad_() for tensor in (query, key, value)]
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda tensor: packed.append(tensor) or tensor,
+                                                                       lambda tensor: tensor):
+        out, tensors, _ = ops.kernel(*leaves, bias, is_causal, scale)
+    candidates = (*leaves, bias, out, *tensors)
+    order = tuple(
+        next((index for index, candidate in enumerate(candidates) if candidate is tensor), None) for tensor in packed)
+    if None in order or len(set(order)) != len(order):
+        raise RuntimeError(
+            f"{_FEATURE} needs to know each tensor that the {ops.name} kernel's autograd node saves, to "
+            f"serve non-reentrant checkpointing, got {len(packed)} saved tensors of which it knows "
+            f"{len(set(order) - {None})} in torch {torch.__version__}. Use reentrant checkpointing "
+            f"(use_reentrant=True) with the stash on this PyTorch.")
+    _NATIVE_SAVES[ops, bias is None] = order
+    return order
+
+
 def _mask_identity(mask):
     return mask.data_ptr(), mask.shape, mask.stride(), mask.dtype, mask._version
 
@@ -440,9 +488,6 @@ class _CheckpointCall:
     masks = None
     # The layer call's positional and keyword inputs, during the first pass.
     inputs = None
-    # Whether the first pass recorded the stash's node in the graph (non-reentrant checkpointing), until the recompute
-    # ran: then only the stash's node can fill that node's saved tensors, even after the stash's removal.
-    recorded = False
 
     def __init__(self, stash, function):
         self.stash = stash
@@ -457,7 +502,7 @@ class _CheckpointCall:
                                f"backward through a retained graph (backward(retain_graph=True)): the first backward "
                                f"took the kept attention output. Sum the losses into one backward, or remove the "
                                f"stash for such steps.")
-        elif not self.stash.active and not self.recorded:
+        elif not self.stash.active:
             # Removed between the forward and this recompute, which runs stock attention: what was kept goes now.
             self._release()
         self.calls = 0
@@ -470,16 +515,13 @@ class _CheckpointCall:
         finally:
             _state.call = previous
             self.inputs = None
-            if passes == 2 and self.recorded:
-                self._unrecord()
         if not self.calls and self.stash.active:
             implementation = self.stash.config._attn_implementation
             raise RuntimeError(f'{_FEATURE} needs {self.stash.name} to call attention with attn_implementation="sdpa" '
                                f'in each forward, got a forward without an sdpa call (attn_implementation '
                                f'"{implementation}"). Remove the stash before switching the attention '
                                f'implementation, and stash only layers with softmax attention.')
-        # A recompute that was to be served: one that runs stock after a removal has had its kept entries released.
-        if passes == 2 and self.calls != len(self.kept) and (self.stash.active or self.kept):
+        if passes == 2 and self.calls != len(self.kept) and self.stash.active:
             raise RuntimeError(f"{_FEATURE} needs the recompute of {self.stash.name} to make its forward's "
                                f"{len(self.kept)} attention calls, got {self.calls}. Keep a layer's attention calls "
                                f"the same from a forward to its backward, or remove the stash from this layer.")
@@ -531,27 +573,17 @@ class _CheckpointCall:
                                f"alone, got a torch.func transform (grad, vjp, vmap, jacrev). Remove the stash, or "
                                f"take gradients with backward() rather than torch.func.")
         if self.passes == 1:
+            order = None
             if grad_enabled:
-                # The node, not the kernel, records this pass's graph.
-                torch._C._set_grad_enabled(False)
-                try:
-                    out, tensors, scalars = ops.kernel(query, key, value, bias, is_causal, scale)
-                finally:
-                    torch._C._set_grad_enabled(True)
-                # The output and its log-sum-exp; the other saved tensors are scalars of a few bytes.
-                nbytes = out.nbytes + tensors[0].nbytes
-                # An alias for the call: the node's output, which it keeps, would tie the call to the graph.
-                kept.append((ops, out.detach(), tensors, scalars, nbytes, out._version))
-                self.stash.counters.add(nbytes)
-                if not self.recorded:
-                    self.recorded = True
-                    _RECORDED.add(self)
-                out = ops.replay(query, key, value, bias, (ops, out, tensors, scalars), is_causal, scale)
-            else:
-                out, tensors, scalars = ops.kernel(query, key, value, bias, is_causal, scale)
-                nbytes = out.nbytes + tensors[0].nbytes
-                kept.append((ops, out, tensors, scalars, nbytes, out._version))
-                self.stash.counters.add(nbytes)
+                # A non-reentrant checkpoint: the kernel's own autograd node records this pass's graph and runs the
+                # backward, and the recompute's node saves what that node saves.
+                order = _native_saves(ops, query, key, value, bias, is_causal, scale)
+            out, tensors, scalars = ops.kernel(query, key, value, bias, is_causal, scale)
+            # The output and its log-sum-exp; the other saved tensors are scalars of a few bytes.
+            nbytes = out.nbytes + tensors[0].nbytes
+            # With a graph, an alias for the call: the output itself would tie the call to the graph.
+            kept.append((ops, out.detach() if grad_enabled else out, tensors, scalars, nbytes, out._version, order))
+            self.stash.counters.add(nbytes)
         else:
             if entry[1]._version != entry[5]:
                 raise RuntimeError(f"{_FEATURE} needs the attention output of {self.stash.name} unchanged from its "
@@ -627,14 +659,6 @@ class _CheckpointCall:
             if entry is not None:
                 self.stash.counters.released(entry[4])
         self.kept = ()
-        if self.recorded:
-            self._unrecord()
-
-    def _unrecord(self):
-        self.recorded = False
-        _RECORDED.discard(self)
-        if not _RECORDED and not self.stash.active:
-            _let_go_when_unused()
 
     # The checkpoint's graph was freed without the recompute taking these: their forward had no backward.
     __del__ = _release
@@ -708,9 +732,6 @@ class _LayerStash:
 _STASHES = weakref.WeakKeyDictionary()
 # Install and remove change process-wide entries; one at a time.
 _LOCK = threading.Lock()
-# Checkpoint calls whose first pass recorded the stash's node and whose recompute has not run: they keep the hold on
-# the sdpa entry after the last stash's removal, until they are done.
-_RECORDED = weakref.WeakSet()
 # Hugging Face's "sdpa" entry that _stashing_sdpa replaced and calls, and the stash's copy of it, while installed.
 _original_sdpa = _stashing_copy_of_sdpa = None
 # GradientCheckpointingLayer and Hugging Face's attention interface, while held.
@@ -809,7 +830,7 @@ def _stashing_copy(function):
 
 def _stashing_sdpa(module, *args, **kwargs):
     call = _state.call
-    if call is not None and (call.stash.active or call.recorded):
+    if call is not None and call.stash.active:
         return _stashing_copy_of_sdpa(module, *args, **kwargs)
     if torch.is_grad_enabled() and module.training:
         stash = _STASHES.get(module)
@@ -1101,9 +1122,9 @@ def _take_hold(layer_class, attention_functions):
 
 
 def _let_go():
-    """Undo ``_take_hold`` once no stash is left and no recorded call needs it. Under ``_LOCK``."""
+    """Undo ``_take_hold`` once no stash is left. Under ``_LOCK``."""
     global _original_sdpa, _stashing_copy_of_sdpa, _replaced_class_attribute, _held
-    if _STASHES or _RECORDED or _original_sdpa is None:
+    if _STASHES or _original_sdpa is None:
         return
     layer_class, attention_functions = _held
     _held = None
@@ -1149,16 +1170,6 @@ def _install_message(model, chosen, attention_layers, others, sizes, micro_batch
             for why, count in reasons.items())
         message += "."
     return message
-
-
-def _let_go_when_unused():
-    """``_let_go`` from a recorded call that is done, where the lock is free; a holder of the lock (a removal) checks
-    again once it has released it."""
-    if _LOCK.acquire(blocking=False):
-        try:
-            _let_go()
-        finally:
-            _LOCK.release()
 
 
 def _checkpointing_mode(layer):
@@ -1211,11 +1222,9 @@ class AttentionStashHandle:
         return self._counters.released_without_backward
 
     def remove(self):
-        """Uninstall. New forwards run stock attention at once. A backward of a forward that ran before the removal:
-        under reentrant checkpointing, its recompute runs stock attention and releases what the forward kept; under
-        non-reentrant checkpointing, the forward's graph holds the stash's node, whose saved tensors only the stash can
-        fill, so the stash still serves that recompute. Hugging Face's sdpa entry and the layer class's attribute
-        return when no stash is left and those recomputes are done (or their graphs freed)."""
+        """Uninstall. A backward of a forward that ran before the removal recomputes its attention as stock code does,
+        in either checkpoint mode, and releases what the forward kept. Hugging Face's sdpa entry and the layer class's
+        attribute return when no stash is left."""
         with _LOCK:
             removed = set(self._stashes)
             for stash in self._stashes:
@@ -1224,8 +1233,6 @@ class AttentionStashHandle:
                 del _STASHES[module]
             self._stashes = []
             _let_go()
-        # A recorded call done while the lock was held here could not let go itself.
-        _let_go_when_unused()
 
 
 def install_attention_stash(model: torch.nn.Module,

@@ -104,6 +104,7 @@ def test_backward_call_follows_pytorch_derivative(ops, needs_grad):
         out, tensors, scalars = ops.kernel(query, key, value, mask, True, 0.25)
         # The node's context as its forward leaves it: the saved tensors, the scalars and the call's arguments.
         context = types.SimpleNamespace(saved_tensors=(query, key, value, mask, out, *tensors),
+                                        order=None,
                                         scalars=scalars,
                                         is_causal=True,
                                         scale=0.25,
