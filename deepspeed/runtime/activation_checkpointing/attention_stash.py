@@ -64,12 +64,11 @@ def _float_mask(mask, dtype):
 
 
 def _saved_tensors(ctx):
-    """A stash node's saved tensors as (query, key, value, mask, output, the kernel's other saved tensors)."""
-    saved = ctx.saved_tensors
-    if ctx.order is None:
-        return saved
+    """The saved tensors of a stash node that saved them in a kernel node's order (a non-reentrant recompute's, whose
+    backward does not run unless its graph is differentiated itself), as (query, key, value, mask, output, the
+    kernel's other saved tensors)."""
     ordered = [None] * ctx.size
-    for index, tensor in zip(ctx.order, saved):
+    for index, tensor in zip(ctx.order, ctx.saved_tensors):
         ordered[index] = tensor
     return ordered
 
@@ -86,10 +85,10 @@ class _StashedAttention(torch.autograd.Function):
         # checkpointing the first pass's own kernel node runs it: this node saves the tensors that node saved, in its
         # order (see _native_saves), for the checkpoint to fill that node's saved tensors with them.
         order = kept[6]
-        saved = (query, key, value, mask, kept[1], *kept[2])
         if order is None:
-            ctx.save_for_backward(*saved)
+            ctx.save_for_backward(query, key, value, mask, kept[1], *kept[2])
         else:
+            saved = (query, key, value, mask, kept[1], *kept[2])
             ctx.save_for_backward(*[saved[index] for index in order])
             ctx.size = len(saved)
         ctx.order, ctx.scalars, ctx.is_causal, ctx.scale = order, kept[3], is_causal, scale
@@ -132,7 +131,7 @@ class _CpuFlashOps(_StashedAttention):
 
     @staticmethod
     def backward(ctx, grad_out):
-        query, key, value, mask, out, lse = _saved_tensors(ctx)
+        query, key, value, mask, out, lse = ctx.saved_tensors if ctx.order is None else _saved_tensors(ctx)
         grad_query, grad_key, grad_value = aten._scaled_dot_product_flash_attention_for_cpu_backward.default(
             grad_out, query, key, value, out, lse, 0.0, ctx.is_causal, attn_mask=mask, scale=ctx.scale)
         return grad_query, grad_key, grad_value, None, None, None, None
@@ -172,7 +171,8 @@ class _CudnnOps(_StashedAttention):
 
     @staticmethod
     def backward(ctx, grad_out):
-        query, key, value, mask, out, lse, philox_seed, philox_offset, cum_seq_q, cum_seq_k = _saved_tensors(ctx)
+        saved = ctx.saved_tensors if ctx.order is None else _saved_tensors(ctx)
+        query, key, value, mask, out, lse, philox_seed, philox_offset, cum_seq_q, cum_seq_k = saved
         max_q, max_k = ctx.scalars
         grad_query, grad_key, grad_value = aten._scaled_dot_product_cudnn_attention_backward.default(grad_out,
                                                                                                      query,
@@ -220,7 +220,8 @@ class _FlashOps(_StashedAttention):
 
     @staticmethod
     def backward(ctx, grad_out):
-        query, key, value, mask, out, lse, cum_seq_q, cum_seq_k, rng_state, unused = _saved_tensors(ctx)
+        saved = ctx.saved_tensors if ctx.order is None else _saved_tensors(ctx)
+        query, key, value, mask, out, lse, cum_seq_q, cum_seq_k, rng_state, unused = saved
         max_q, max_k = ctx.scalars
         # The derivative passes rng_state and unused as the philox seed and offset.
         grad_query, grad_key, grad_value = aten._scaled_dot_product_flash_attention_backward.default(grad_out,
@@ -281,7 +282,8 @@ class _EfficientOps(_StashedAttention):
 
     @staticmethod
     def backward(ctx, grad_out):
-        query, key, value, mask, out, lse, philox_seed, philox_offset = _saved_tensors(ctx)
+        saved = ctx.saved_tensors if ctx.order is None else _saved_tensors(ctx)
+        query, key, value, mask, out, lse, philox_seed, philox_offset = saved
         # grad_input_mask: which of query, key, value and the bias need a gradient; a mask never does here.
         grad_query, grad_key, grad_value, _ = aten._scaled_dot_product_efficient_attention_backward.default(
             grad_out,
@@ -486,8 +488,6 @@ class _CheckpointCall:
     # What identifies each call's attention mask in the first pass, for the recompute to compare; None without masks:
     # (True, identity) for a mask the checkpoint holds, (False, (shape, dtype), digest) for one built in the layer.
     masks = None
-    # The layer call's positional and keyword inputs, during the first pass.
-    inputs = None
 
     def __init__(self, stash, function):
         self.stash = stash
@@ -506,25 +506,26 @@ class _CheckpointCall:
             # Removed between the forward and this recompute, which runs stock attention: what was kept goes now.
             self._release()
         self.calls = 0
-        # The first pass's inputs, which the checkpoint holds, for _holds; not kept past the pass.
-        self.inputs = args, kwargs
         previous = _state.call
         _state.call = self
         try:
             outputs = self.function(*args, **kwargs)
         finally:
             _state.call = previous
-            self.inputs = None
         if not self.calls and self.stash.active:
             implementation = self.stash.config._attn_implementation
             raise RuntimeError(f'{_FEATURE} needs {self.stash.name} to call attention with attn_implementation="sdpa" '
                                f'in each forward, got a forward without an sdpa call (attn_implementation '
                                f'"{implementation}"). Remove the stash before switching the attention '
                                f'implementation, and stash only layers with softmax attention.')
-        if passes == 2 and self.calls != len(self.kept) and self.stash.active:
-            raise RuntimeError(f"{_FEATURE} needs the recompute of {self.stash.name} to make its forward's "
-                               f"{len(self.kept)} attention calls, got {self.calls}. Keep a layer's attention calls "
-                               f"the same from a forward to its backward, or remove the stash from this layer.")
+        if passes == 2:
+            if self.calls != len(self.kept) and self.stash.active:
+                raise RuntimeError(f"{_FEATURE} needs the recompute of {self.stash.name} to make its forward's "
+                                   f"{len(self.kept)} attention calls, got {self.calls}. Keep a layer's attention "
+                                   f"calls the same from a forward to its backward, or remove the stash from this "
+                                   f"layer.")
+            # Each entry was taken: nothing is left for the release.
+            self.kept = ()
         return outputs
 
     def sdpa(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False):
@@ -646,13 +647,13 @@ class _CheckpointCall:
                                f"stash from this layer.")
 
     def _holds(self, tensor):
-        """Whether the checkpoint holds ``tensor``'s storage: whether it is (a view of) a tensor input of the layer's
-        checkpointed call, positional or bound in the function."""
+        """Whether the checkpoint holds ``tensor``'s storage: whether it is (a view of) a tensor bound in the layer's
+        checkpointed function, as Hugging Face binds a layer's keyword arguments, its attention mask among them. A mask
+        passed otherwise is compared by value, as one built in the layer is."""
         pointer = tensor.untyped_storage().data_ptr()
-        args, kwargs = self.inputs
-        inputs = (*args, *kwargs.values(), *(getattr(self.function, "keywords", None) or {}).values())
+        bound = (*getattr(self.function, "args", ()), *(getattr(self.function, "keywords", None) or {}).values())
         return any(
-            isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() == pointer for value in inputs)
+            isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() == pointer for value in bound)
 
     def _release(self):
         for entry in self.kept:
