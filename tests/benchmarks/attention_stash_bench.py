@@ -51,6 +51,25 @@ PRESETS = {
          vocab=1024,
          warmup=1,
          steps=8),
+    # A hybrid, Qwen3-Next-shaped: three gated-delta-net (linear attention) layers per full-attention layer, so the
+    # stash serves a quarter of the layers; the saving is per stashed attention layer. The CPU preset's shapes.
+    "qwen3-next-cpu":
+    dict(device="cpu",
+         dtype="float32",
+         model="qwen3_next",
+         layers=8,
+         sequence=2048,
+         micro_batch=1,
+         hidden=256,
+         heads=8,
+         kv_heads=2,
+         head_dim=64,
+         experts=4,
+         top_k=2,
+         moe_intermediate=128,
+         vocab=1024,
+         warmup=1,
+         steps=8),
     # Qwen3-30B-A3B's attention (32 query heads, 4 key/value heads, head dim 128, hidden 2048) at its training shape,
     # with fewer layers and experts to fit one GPU.
     "qwen3-30b-a3b":
@@ -98,8 +117,8 @@ def parse_args(argv=None):
         if getattr(args, name) is not None:
             settings[name] = getattr(args, name)
     settings["top_k"] = min(settings["top_k"], settings["experts"])
-    if settings["layers"] < 2 or settings["steps"] < 1 or settings["warmup"] < 1:
-        parser.error("needs at least 2 layers, 1 warm-up step and 1 timed step")
+    if attention_layers(settings) < 2 or settings["steps"] < 1 or settings["warmup"] < 1:
+        parser.error("needs at least 2 attention layers, 1 warm-up step and 1 timed step")
     if not 0.0 <= args.pad_fraction < 1.0:
         parser.error("needs --pad-fraction from 0 up to, not including, 1")
     settings["pad_fraction"] = args.pad_fraction
@@ -132,9 +151,21 @@ def _init_deepspeed(device):
     return deepspeed
 
 
+# A hybrid preset's layers: this many linear-attention layers before each full-attention layer.
+_LINEAR_PER_FULL = 3
+
+
+def attention_layers(settings):
+    """The layers the stash can serve: every layer, or a hybrid's full-attention layers."""
+    return settings["layers"] // (_LINEAR_PER_FULL +
+                                  1) if settings.get("model") == "qwen3_next" else settings["layers"]
+
+
 def build_model(settings):
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+    if settings.get("model") == "qwen3_next":
+        return _build_qwen3_next(settings)
     config = Qwen3MoeConfig(vocab_size=settings["vocab"],
                             hidden_size=settings["hidden"],
                             intermediate_size=settings["moe_intermediate"] * 2,
@@ -151,6 +182,33 @@ def build_model(settings):
     # Built on its device: initializing the GPU preset's weights on the CPU would take longer than the benchmark.
     with torch.device(settings["device"]):
         return Qwen3MoeForCausalLM(config).to(getattr(torch, settings["dtype"]))
+
+
+def _build_qwen3_next(settings):
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    pattern = ["linear_attention"] * _LINEAR_PER_FULL + ["full_attention"]
+    config = Qwen3NextConfig(vocab_size=settings["vocab"],
+                             hidden_size=settings["hidden"],
+                             intermediate_size=settings["moe_intermediate"] * 2,
+                             moe_intermediate_size=settings["moe_intermediate"],
+                             shared_expert_intermediate_size=settings["moe_intermediate"],
+                             num_hidden_layers=settings["layers"],
+                             num_attention_heads=settings["heads"],
+                             num_key_value_heads=settings["kv_heads"],
+                             head_dim=settings["head_dim"],
+                             linear_num_key_heads=settings["kv_heads"],
+                             linear_num_value_heads=settings["heads"],
+                             linear_key_head_dim=settings["head_dim"],
+                             linear_value_head_dim=settings["head_dim"],
+                             layer_types=[pattern[index % len(pattern)] for index in range(settings["layers"])],
+                             num_experts=settings["experts"],
+                             num_experts_per_tok=settings["top_k"],
+                             max_position_embeddings=settings["sequence"],
+                             attn_implementation="sdpa")
+    torch.manual_seed(0)
+    with torch.device(settings["device"]):
+        return Qwen3NextForCausalLM(config).to(getattr(torch, settings["dtype"]))
 
 
 def _save_sdpa_outputs_policy():
@@ -630,7 +688,8 @@ def plot(path, settings, by_arm):
     mib = 2**20
     figure, (time_axis, memory_axis) = plt.subplots(1, 2, figsize=(11, 4.5))
     series = [("reentrant: plain recompute, stash", ("plain", "stash"), "C0", 0.0),
-              ("non-reentrant: recompute, stash", ("non_reentrant", "stash_nr"), "C1", 0.06 * settings["layers"])]
+              ("non-reentrant: recompute, stash", ("non_reentrant", "stash_nr"), "C1",
+               0.06 * attention_layers(settings))]
     unresolved_label = "saving per layer UNRESOLVED or NOISY"
     for label, kinds, color, offset in series:
         rows = sorted((row for row in by_arm if row["kind"] in kinds), key=lambda row: row["stashed"])
@@ -735,7 +794,8 @@ def main(argv=None):
     }
     batches = make_batches(settings, settings["warmup"] + settings["steps"])
 
-    half, full = settings["layers"] // 2, settings["layers"]
+    full = attention_layers(settings)
+    half = full // 2
     arms = [
         dict(label="plain recompute", kind="plain", stashed=0),
         dict(label=f"stash {half} layers", kind="stash", stashed=half),
@@ -808,7 +868,10 @@ def main(argv=None):
                 indent=2)
     print()
     padding = f"rows padded up to {settings['pad_fraction']:.0%}, " if settings["pad_fraction"] else ""
-    print(f"attention stash benchmark: Qwen3-MoE {settings['layers']} layers, {settings['experts']} experts "
+    shape = ("Qwen3-Next-shaped hybrid, " if settings.get("model") == "qwen3_next" else
+             "Qwen3-MoE ") + (f"{settings['layers']} layers ({attention_layers(settings)} with softmax attention)"
+                              if settings.get("model") == "qwen3_next" else f"{settings['layers']} layers")
+    print(f"attention stash benchmark: {shape}, {settings['experts']} experts "
           f"(top {settings['top_k']}), sequence {settings['sequence']}, micro-batch {settings['micro_batch']}, "
           f"{settings['dtype']} on {settings['device']}, {padding}{settings['steps']} timed steps after "
           f"{settings['warmup']} per run{', AutoEP' if args.autoep else ''}; torch {torch.__version__}, "

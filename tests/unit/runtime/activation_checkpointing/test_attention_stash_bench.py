@@ -88,6 +88,24 @@ def test_bench_padded_batches(bench, tmp_path):
     assert [arm["recomputes_served"] for arm in result["arms"]] == [0, 4, 8]
 
 
+def test_bench_hybrid_preset(bench, tmp_path, capsys):
+    """The Qwen3-Next-shaped preset: three linear-attention layers per full-attention layer, so 8 layers give 2 to
+    stash; every stashed attention layer's recompute is served and keeps the planner's bytes."""
+    path = tmp_path / "bench.json"
+    bench.main([
+        "--preset", "qwen3-next-cpu", "--layers", "8", "--sequence", "64", "--steps", "1", "--experts", "2",
+        "--no-sac", "--json",
+        str(path)
+    ])
+    result = json.loads(path.read_text())
+    assert result["loss_cross_arm"] == 0
+    # 1 and 2 of the 2 attention layers, over a warm-up step and a timed one, in each of the two sweeps.
+    assert [arm["recomputes_served"] for arm in result["arms"]] == [0, 4, 8]
+    assert all(arm["kept_per_layer_bytes"] == result["kept_bytes_predicted"] for arm in result["arms"]
+               if arm["stashed"])
+    assert "Qwen3-Next-shaped hybrid, 8 layers (2 with softmax attention)" in capsys.readouterr().out
+
+
 def test_bench_fails_a_stash_that_does_not_serve(bench, monkeypatch):
     """A stash that fell back to the normal recompute would time plain recompute under its name: the run stops."""
     from deepspeed.runtime.activation_checkpointing import attention_stash

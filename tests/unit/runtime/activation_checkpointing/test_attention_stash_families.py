@@ -18,8 +18,8 @@ import transformers
 from deepspeed.runtime.activation_checkpointing.attention_stash import (attention_stash_layer_bytes,
                                                                         install_attention_stash)
 
-from attention_stash_helpers import (CPU_FORWARD, assert_same_grads, assert_stock_process, batch_ids, checkpointed,
-                                     counted_step, logged_messages, param_grads)
+from attention_stash_helpers import (CPU_FORWARD, CountOps, assert_same_grads, assert_stock_process, batch_ids,
+                                     checkpointed, counted_step, logged_messages, param_grads)
 
 _SMALL = dict(vocab_size=128, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, max_position_embeddings=64)
 _MOE = dict(num_experts=4, num_experts_per_tok=2)
@@ -117,7 +117,10 @@ def test_family_served_bitwise(install, family, use_reentrant):
     assert handle.num_kept == calls * len(attention_layers)
     # The planner's bytes are what the stash keeps, calls and geometry included.
     assert handle.kept_bytes == len(attention_layers) * attention_stash_layer_bytes(model, 2, 16, device="cpu")
-    loss.backward()
+    with CountOps() as counted:
+        loss.backward()
+    # Every attention layer is stashed: no recompute runs the attention forward kernel.
+    assert plain_calls[CPU_FORWARD] == calls * len(attention_layers) and counted.calls[CPU_FORWARD] == 0
     assert (handle.num_kept, handle.recomputes_served) == (0, calls * len(attention_layers))
     assert torch.equal(loss.detach(), expected_loss)
     assert_same_grads(param_grads(model), expected)
