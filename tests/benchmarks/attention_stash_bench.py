@@ -33,43 +33,29 @@ import torch
 from torch.nn.attention import SDPBackend
 from torch.utils._python_dispatch import TorchDispatchMode
 
+# Attention is a large share of a CPU step only at long sequences; GQA as in Qwen3-MoE.
+_CPU = dict(device="cpu",
+            dtype="float32",
+            layers=4,
+            sequence=2048,
+            micro_batch=1,
+            hidden=256,
+            heads=8,
+            kv_heads=2,
+            head_dim=64,
+            experts=4,
+            top_k=2,
+            moe_intermediate=128,
+            vocab=1024,
+            warmup=1,
+            steps=8)
 PRESETS = {
-    # Attention is a large share of a CPU step only at long sequences; GQA as in Qwen3-MoE.
     "cpu":
-    dict(device="cpu",
-         dtype="float32",
-         layers=4,
-         sequence=2048,
-         micro_batch=1,
-         hidden=256,
-         heads=8,
-         kv_heads=2,
-         head_dim=64,
-         experts=4,
-         top_k=2,
-         moe_intermediate=128,
-         vocab=1024,
-         warmup=1,
-         steps=8),
+    _CPU,
     # A hybrid, Qwen3-Next-shaped: three gated-delta-net (linear attention) layers per full-attention layer, so the
     # stash serves a quarter of the layers; the saving is per stashed attention layer. The CPU preset's shapes.
     "qwen3-next-cpu":
-    dict(device="cpu",
-         dtype="float32",
-         model="qwen3_next",
-         layers=8,
-         sequence=2048,
-         micro_batch=1,
-         hidden=256,
-         heads=8,
-         kv_heads=2,
-         head_dim=64,
-         experts=4,
-         top_k=2,
-         moe_intermediate=128,
-         vocab=1024,
-         warmup=1,
-         steps=8),
+    dict(_CPU, model="qwen3_next", layers=8),
     # Qwen3-30B-A3B's attention (32 query heads, 4 key/value heads, head dim 128, hidden 2048) at its training shape,
     # with fewer layers and experts to fit one GPU.
     "qwen3-30b-a3b":
