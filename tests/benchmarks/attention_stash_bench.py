@@ -509,7 +509,7 @@ def summarize(settings, arms, runs, attention_ms):
         }
         by_arm.append(row)
     # Each stash arm against the recompute it replaces: reentrant for the stash, non-reentrant for its non-reentrant
-    # arm, which selective checkpointing of the attention call serves.
+    # arm.
     baselines = {row["kind"]: row for row in by_arm if row["kind"] in ("plain", "non_reentrant")}
     plain = baselines["plain"]
     for row in by_arm:

@@ -532,9 +532,9 @@ class _CheckpointCall:
         """F.scaled_dot_product_attention for one attention call of the layer, with the arguments it got: the first
         pass runs the kernel F.sdpa would run and keeps its outputs, the recompute's call of the same index returns
         them from an autograd node whose backward is that kernel's backward. Under non-reentrant checkpointing, whose
-        first pass records a graph, the first pass applies the same node to the kernel's fresh outputs: the two nodes
-        save the same tensors, so the recompute's saves fill the first pass's, and the first pass's node runs the
-        backward."""
+        first pass records a graph, the first pass runs the kernel with grad, so that PyTorch's own node for it is in
+        the graph and runs the backward; the recompute's node saves what that node saved, for the checkpoint to fill
+        its saved tensors."""
         index = self.calls
         self.calls = index + 1
         # This runs in both passes of every stashed layer: what an unmasked call without dropout needs comes first.
@@ -1251,8 +1251,9 @@ def install_attention_stash(model: torch.nn.Module,
     ``F.scaled_dot_product_attention`` would run and keeps its outputs (one attention output plus its log-sum-exp); the
     recompute returns them from an autograd node whose backward is that kernel's backward, so it skips the attention
     forward. Reentrant and non-reentrant checkpointing (transformers' default) are served alike; under non-reentrant
-    checkpointing the first pass applies the same node, so that both passes save the same tensors, and a checkpoint's
-    own ``context_fn`` (a selective-checkpointing policy) or ``debug=True`` composes with the stash. What a call keeps
+    checkpointing the first pass leaves PyTorch's own attention node in the graph, which the recompute's node fills,
+    and a checkpoint's own ``context_fn`` (a selective-checkpointing policy) or ``debug=True`` composes with the
+    stash. What a call keeps
     lives with its checkpoint's graph: it is released when the recompute takes it, or when the graph is freed without a
     backward.
 

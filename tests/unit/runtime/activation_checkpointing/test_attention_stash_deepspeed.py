@@ -110,7 +110,7 @@ def test_zero_stages(stage, bf16):
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
 def test_zero3_with_non_reentrant_checkpointing(bf16):
-    """transformers' default checkpointing, served by selective checkpointing of the attention call, under ZeRO-3
+    """transformers' default checkpointing, served with PyTorch's own attention node in the graph, under ZeRO-3
     (whose hooks gather each layer's parameters in the recompute too)."""
     config = _config(3, bf16)
     expected = _train(qwen3_moe_model, config, 0, use_reentrant=False)

@@ -3,12 +3,13 @@
 # DeepSpeed Team
 """The stash under transformers' default, non-reentrant checkpointing.
 
-The same install and the same autograd node serve both modes: in a non-reentrant checkpoint's first pass the node is
-applied to the kernel's fresh outputs, and in its recompute to the kept ones, so the checkpoint matches the two passes'
-saved tensors. Here every comparison is against plain non-reentrant checkpointing with the same settings, bitwise on
-CPU, counting that the stashed layers' recomputes run no attention forward kernel and that each was served: a user's
-own selective-checkpointing policy (context_fn), debug=True, and a checkpoint that stops its recompute at the node's
-saves. CI runs them on both checkpoint layouts of transformers.
+The same install serves both modes: a non-reentrant checkpoint's first pass runs the kernel with grad, leaving
+PyTorch's own attention node in the graph, and its recompute applies the stash's node to the kept outputs, which saves
+what that node saved, in its order, so the checkpoint fills the first pass's saved tensors with the kept ones. Here
+every comparison is against plain non-reentrant checkpointing with the same settings, bitwise on CPU, counting that the
+stashed layers' recomputes run no attention forward kernel and that each was served: a user's own
+selective-checkpointing policy (context_fn), debug=True, and a checkpoint that stops its recompute at the node's saves.
+CI runs them on both checkpoint layouts of transformers.
 """
 
 import gc
