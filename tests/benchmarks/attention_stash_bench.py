@@ -148,53 +148,38 @@ def attention_layers(settings):
 
 
 def build_model(settings):
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    import transformers
 
+    shared = dict(vocab_size=settings["vocab"],
+                  hidden_size=settings["hidden"],
+                  intermediate_size=settings["moe_intermediate"] * 2,
+                  moe_intermediate_size=settings["moe_intermediate"],
+                  num_hidden_layers=settings["layers"],
+                  num_attention_heads=settings["heads"],
+                  num_key_value_heads=settings["kv_heads"],
+                  head_dim=settings["head_dim"],
+                  num_experts=settings["experts"],
+                  num_experts_per_tok=settings["top_k"],
+                  max_position_embeddings=settings["sequence"],
+                  attn_implementation="sdpa")
     if settings.get("model") == "qwen3_next":
-        return _build_qwen3_next(settings)
-    config = Qwen3MoeConfig(vocab_size=settings["vocab"],
-                            hidden_size=settings["hidden"],
-                            intermediate_size=settings["moe_intermediate"] * 2,
-                            moe_intermediate_size=settings["moe_intermediate"],
-                            num_hidden_layers=settings["layers"],
-                            num_attention_heads=settings["heads"],
-                            num_key_value_heads=settings["kv_heads"],
-                            head_dim=settings["head_dim"],
-                            num_experts=settings["experts"],
-                            num_experts_per_tok=settings["top_k"],
-                            max_position_embeddings=settings["sequence"],
-                            attn_implementation="sdpa")
+        pattern = ["linear_attention"] * _LINEAR_PER_FULL + ["full_attention"]
+        model_class = transformers.Qwen3NextForCausalLM
+        config = transformers.Qwen3NextConfig(**shared,
+                                              shared_expert_intermediate_size=settings["moe_intermediate"],
+                                              linear_num_key_heads=settings["kv_heads"],
+                                              linear_num_value_heads=settings["heads"],
+                                              linear_key_head_dim=settings["head_dim"],
+                                              linear_value_head_dim=settings["head_dim"],
+                                              layer_types=[
+                                                  pattern[index % len(pattern)] for index in range(settings["layers"])
+                                              ])
+    else:
+        model_class, config = transformers.Qwen3MoeForCausalLM, transformers.Qwen3MoeConfig(**shared)
     torch.manual_seed(0)
     # Built on its device: initializing the GPU preset's weights on the CPU would take longer than the benchmark.
     with torch.device(settings["device"]):
-        return Qwen3MoeForCausalLM(config).to(getattr(torch, settings["dtype"]))
-
-
-def _build_qwen3_next(settings):
-    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
-
-    pattern = ["linear_attention"] * _LINEAR_PER_FULL + ["full_attention"]
-    config = Qwen3NextConfig(vocab_size=settings["vocab"],
-                             hidden_size=settings["hidden"],
-                             intermediate_size=settings["moe_intermediate"] * 2,
-                             moe_intermediate_size=settings["moe_intermediate"],
-                             shared_expert_intermediate_size=settings["moe_intermediate"],
-                             num_hidden_layers=settings["layers"],
-                             num_attention_heads=settings["heads"],
-                             num_key_value_heads=settings["kv_heads"],
-                             head_dim=settings["head_dim"],
-                             linear_num_key_heads=settings["kv_heads"],
-                             linear_num_value_heads=settings["heads"],
-                             linear_key_head_dim=settings["head_dim"],
-                             linear_value_head_dim=settings["head_dim"],
-                             layer_types=[pattern[index % len(pattern)] for index in range(settings["layers"])],
-                             num_experts=settings["experts"],
-                             num_experts_per_tok=settings["top_k"],
-                             max_position_embeddings=settings["sequence"],
-                             attn_implementation="sdpa")
-    torch.manual_seed(0)
-    with torch.device(settings["device"]):
-        return Qwen3NextForCausalLM(config).to(getattr(torch, settings["dtype"]))
+        return model_class(config).to(getattr(torch, settings["dtype"]))
 
 
 def _save_sdpa_outputs_policy():
