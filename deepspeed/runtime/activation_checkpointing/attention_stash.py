@@ -482,6 +482,8 @@ class _CheckpointCall:
     passes = 0
     # Attention calls made so far in the current pass: the index of the next one.
     calls = 0
+    # Whether an attention module of the layer reached the stash's sdpa entry in the current pass.
+    reached = False
     # For each attention call of the first pass, until the recompute takes it: (ops, attention output, saved tensors,
     # scalars, bytes counted, the output's version counter when kept).
     kept = ()
@@ -506,6 +508,7 @@ class _CheckpointCall:
             # Removed between the forward and this recompute, which runs stock attention: what was kept goes now.
             self._release()
         self.calls = 0
+        self.reached = False
         previous = _state.call
         _state.call = self
         try:
@@ -513,11 +516,7 @@ class _CheckpointCall:
         finally:
             _state.call = previous
         if not self.calls and self.stash.active:
-            implementation = self.stash.config._attn_implementation
-            raise RuntimeError(f'{_FEATURE} needs {self.stash.name} to call attention with attn_implementation="sdpa" '
-                               f'in each forward, got a forward without an sdpa call (attn_implementation '
-                               f'"{implementation}"). Remove the stash before switching the attention '
-                               f'implementation, and stash only layers with softmax attention.')
+            self.stash.raise_without_attention_call(self.reached)
         if passes == 2:
             if self.calls != len(self.kept) and self.stash.active:
                 raise RuntimeError(f"{_FEATURE} needs the recompute of {self.stash.name} to make its forward's "
@@ -546,11 +545,19 @@ class _CheckpointCall:
         # The device's type without making a torch.device, for the devices the table serves.
         device_type = "cuda" if query.is_cuda else "cpu" if query.is_cpu else query.device.type
         ops = _BACKENDS.get((device_type, choice))
-        if ops is None:
-            _ops_for(device_type, choice)
         kept = self.kept
         if self.passes > 1:
             entry = kept[index] if index < len(kept) else None
+            if entry is not None and entry[1].dtype != query.dtype:
+                raise RuntimeError(f"{_FEATURE} needs the recompute of {self.stash.name} to run attention in its "
+                                   f"forward's dtype, got {entry[1].dtype} in the forward and {query.dtype} in the "
+                                   f"recompute (attention call {index + 1}): autocast differs between the passes, as "
+                                   f"under a checkpoint function that does not restore it in its recompute "
+                                   f"(deepspeed.checkpointing.checkpoint does not). Use torch.utils.checkpoint, as "
+                                   f"Hugging Face does by default, or train without autocast.")
+        if ops is None:
+            _ops_for(device_type, choice)
+        if self.passes > 1:
             if entry is None or entry[0] is not ops:
                 raise RuntimeError(f"{_FEATURE} needs one SDPA backend for both passes of {self.stash.name}, got "
                                    f"{entry[0].name if entry else 'none'} in the forward and {ops.name} in the "
@@ -695,6 +702,9 @@ class _LayerStash:
     def __init__(self, name, layer, config, counters):
         self.name = name
         self.layer = weakref.ref(layer)
+        # The layer's modules at the install: only their attention calls are the layer's, not those of a model that
+        # a hook inside the layer runs.
+        self.modules = weakref.WeakSet(layer.modules())
         self.config = config
         self.counters = counters
         self.active = True
@@ -715,14 +725,50 @@ class _LayerStash:
         return checkpoint_function(_CheckpointCall(self, function), *args, **kwargs)
 
     def raise_outside_checkpoint(self):
+        """Raise for a training call of the layer's attention that the stash's checkpoint call does not run."""
+        layer = self.layer()
+        owner = None if layer is None or _held is None else _class_defining(type(layer), _CHECKPOINT_FUNCTION)
+        if owner is not None and owner is not _held.layer_class:
+            raise RuntimeError(f"{_FEATURE} needs {self.name} to read its checkpoint function through "
+                               f"GradientCheckpointingLayer, which the stash holds, got a class attribute "
+                               f"{_CHECKPOINT_FUNCTION} on {owner.__name__}, set after the install, that hides it. "
+                               f"Delete that class attribute: activation_checkpointing_enable() sets the function on "
+                               f"each layer.")
         if torch._C._current_graph_task_id() != -1:
             raise RuntimeError(f"{_FEATURE} needs a kept attention output for the recompute of {self.name}, got a "
-                               f"recompute of a forward that ran before the install. Install the stash before the "
-                               f"forward, not between a forward and its backward.")
+                               f"recompute outside the stash's checkpoint call: of a forward that ran before the "
+                               f"install, or by a checkpoint that does not read the layer's {_CHECKPOINT_FUNCTION}. "
+                               f"Install the stash before the forward, and checkpoint the layer through Hugging "
+                               f"Face's activation checkpointing.")
         raise RuntimeError(f"{_FEATURE} needs Hugging Face activation checkpointing for a training forward of "
                            f"{self.name}, got no activation checkpointing on it (none enabled, or every_n_layers "
                            f"leaves it out). Call {_CHECKPOINTING_HINT}, or put the model in eval mode or "
                            f"torch.no_grad() for forwards without a backward.")
+
+    def raise_without_attention_call(self, reached):
+        """Raise for a checkpointed forward of the layer that made no attention call the stash ran; ``reached``:
+        whether the layer's attention reached the stash's sdpa entry."""
+        implementation = self.config._attn_implementation
+        if implementation != "sdpa":
+            raise RuntimeError(f'{_FEATURE} needs {self.name} to call attention with attn_implementation="sdpa" in '
+                               f'each forward, got a forward without an sdpa call (attn_implementation '
+                               f'"{implementation}"). Remove the stash before switching the attention '
+                               f'implementation, and stash only layers with softmax attention.')
+        entry = None if _held is None else _held.attention_functions.get("sdpa")
+        if reached:
+            raise RuntimeError(f"{_FEATURE} needs the sdpa attention function to call "
+                               f"torch.nn.functional.scaled_dot_product_attention in each forward of {self.name}, "
+                               f"got a forward in which {_held.original!r}, the function the stash serves, did not. "
+                               f"Remove the stash from this layer.")
+        if entry is not _held.entry:
+            raise RuntimeError(f'{_FEATURE} needs the attention of {self.name} to reach the sdpa entry it installed '
+                               f'in {_INTERFACE}, got {entry!r} in {_INTERFACE}["sdpa"], put there after the install '
+                               f'without calling the entry it replaced. Register attention functions before '
+                               f'installing the stash, or remove the stash before registering.')
+        raise RuntimeError(f"{_FEATURE} needs the attention modules of {self.name} to call Hugging Face's attention "
+                           f"interface with themselves as its module, got a forward without such a call (an attention "
+                           f"module replaced after the install, or one that calls attention another way). Install "
+                           f"the stash after changing the layer's modules.")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -733,13 +779,23 @@ class _LayerStash:
 _STASHES = weakref.WeakKeyDictionary()
 # Install and remove change process-wide entries; one at a time.
 _LOCK = threading.Lock()
-# Hugging Face's "sdpa" entry that _stashing_sdpa replaced and calls, and the stash's copy of it, while installed.
-_original_sdpa = _stashing_copy_of_sdpa = None
-# GradientCheckpointingLayer and Hugging Face's attention interface, while held.
+# The hold on Hugging Face's sdpa entry and its layer class, while any stash is installed: a _Hold.
 _held = None
 # What GradientCheckpointingLayer's class dictionary held under _CHECKPOINT_FUNCTION before the slot went in.
 _MISSING = object()
-_replaced_class_attribute = _MISSING
+
+
+class _Hold:
+    """What the stash changed in Hugging Face's objects, to undo: the layer class that has the checkpoint-function
+    slot, and the mapping of the attention interface whose "sdpa" entry it replaced."""
+
+    def __init__(self, layer_class, attention_functions, mapping, original, entry):
+        self.layer_class = layer_class
+        self.attention_functions = attention_functions
+        self.mapping = mapping
+        self.original = original
+        self.entry = entry
+        self.class_attribute = layer_class.__dict__.get(_CHECKPOINT_FUNCTION, _MISSING)
 
 
 class _CheckpointFunctionSlot:
@@ -812,14 +868,18 @@ def _stashing_copy(function):
     }
     code = getattr(function, "__code__", None)
     module_globals = getattr(function, "__globals__", None)
-    entries = {} if code is None else {
-        name: views[id(module_globals[name])]
-        for name in code.co_names if id(module_globals.get(name)) in views
-    }
-    if not entries:
+    # The names its code and the functions defined in it read: those run with the copy's globals too.
+    codes, names = [code] if isinstance(code, types.CodeType) else [], set()
+    while codes:
+        names.update(codes[-1].co_names)
+        codes += [const for const in codes.pop().co_consts if isinstance(const, types.CodeType)]
+    entries = {name: views[id(module_globals[name])] for name in names if id(module_globals.get(name)) in views}
+    if not entries or _SDPA.__name__ not in names:
         raise RuntimeError(f"{_FEATURE} needs Hugging Face's sdpa attention function, which calls "
-                           f"torch.nn.functional.scaled_dot_product_attention, as ALL_ATTENTION_FUNCTIONS[\"sdpa\"], "
-                           f"got {function!r}. Install the stash before replacing that entry.")
+                           f"torch.nn.functional.scaled_dot_product_attention in its own code, as "
+                           f"{_INTERFACE}[\"sdpa\"], got {function!r}, which does not (a wrapper around another "
+                           f"attention function, or another kernel). Install the stash before wrapping or replacing "
+                           f"that entry.")
     # A snapshot of the module's globals, so that every other name resolves at dictionary speed as in the original.
     copy = types.FunctionType(code, {
         **module_globals,
@@ -829,15 +889,41 @@ def _stashing_copy(function):
     return copy
 
 
-def _stashing_sdpa(module, *args, **kwargs):
-    call = _state.call
-    if call is not None and call.stash.active:
-        return _stashing_copy_of_sdpa(module, *args, **kwargs)
-    if torch.is_grad_enabled() and module.training:
-        stash = _STASHES.get(module)
-        if stash is not None:
-            stash.raise_outside_checkpoint()
-    return _original_sdpa(module, *args, **kwargs)
+def _stashing_entry(original):
+    """The function the stash puts in Hugging Face's interface as its "sdpa" entry, in front of ``original``.
+
+    An attention module of a stashed layer, called inside the layer's checkpoint call, runs the stash's copy of
+    ``original``; every other call runs ``original`` itself. It keeps doing so after the stash lets go of the entry,
+    for a library that wrapped it meanwhile: after the removal, that wrapper calls what it would have called without
+    the stash. Raises, before anything is changed, where ``original`` cannot be served."""
+    copy = _stashing_copy(original)
+
+    def stashing_sdpa(module, *args, **kwargs):
+        call = _state.call
+        if call is not None and module in call.stash.modules:
+            if call.stash.active:
+                call.reached = True
+                return copy(module, *args, **kwargs)
+            # The recompute of a forward that ran before its stash's removal: stock, as the removal promises.
+            return original(module, *args, **kwargs)
+        if torch.is_grad_enabled() and module.training:
+            stash = _STASHES.get(module)
+            if stash is not None:
+                stash.raise_outside_checkpoint()
+        return original(module, *args, **kwargs)
+
+    return stashing_sdpa
+
+
+def _sdpa_mapping(attention_functions):
+    """The mapping whose "sdpa" entry Hugging Face's lookups return: the interface's local mapping where it has one
+    there, else its library-wide one, which AttentionInterface.register writes. The stash's entry goes there, so
+    that a later registration replaces it, as it would replace the original."""
+    local = getattr(attention_functions, "_local_mapping", None)
+    shared = getattr(type(attention_functions), "_global_mapping", None)
+    if isinstance(local, dict) and isinstance(shared, dict) and "sdpa" not in local:
+        return shared
+    return local if isinstance(local, dict) else attention_functions
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -1110,37 +1196,33 @@ def _class_defining(cls, name):
 
 
 def _take_hold(layer_class, attention_functions):
-    """Put the checkpoint-function slot and the sdpa wrapper in place, once for all stashes. Under ``_LOCK``."""
-    global _original_sdpa, _stashing_copy_of_sdpa, _replaced_class_attribute, _held
-    if _original_sdpa is None:
-        # The copy first: it raises for an entry it cannot serve, before anything is changed.
-        _stashing_copy_of_sdpa = _stashing_copy(attention_functions["sdpa"])
-        _held = layer_class, attention_functions
-        _replaced_class_attribute = layer_class.__dict__.get(_CHECKPOINT_FUNCTION, _MISSING)
+    """Put the checkpoint-function slot and the stash's sdpa entry in place, once for all stashes. Under ``_LOCK``."""
+    global _held
+    if _held is None:
+        mapping = _sdpa_mapping(attention_functions)
+        original = mapping["sdpa"]
+        # The entry first: it raises for an original it cannot serve, before anything is changed.
+        hold = _Hold(layer_class, attention_functions, mapping, original, _stashing_entry(original))
         setattr(layer_class, _CHECKPOINT_FUNCTION, _SLOT)
-        _original_sdpa = attention_functions["sdpa"]
-        attention_functions["sdpa"] = _stashing_sdpa
+        mapping["sdpa"] = hold.entry
+        _held = hold
 
 
 def _let_go():
-    """Undo ``_take_hold`` once no stash is left. Under ``_LOCK``."""
-    global _original_sdpa, _stashing_copy_of_sdpa, _replaced_class_attribute, _held
-    if _STASHES or _original_sdpa is None:
+    """Undo ``_take_hold`` once no stash is left. Under ``_LOCK``. An entry or slot that something else replaced
+    meanwhile stays as that left it; a wrapper around the stash's entry keeps calling it, and it the original."""
+    global _held
+    hold = _held
+    if _STASHES or hold is None:
         return
-    layer_class, attention_functions = _held
     _held = None
-    if attention_functions["sdpa"] is _stashing_sdpa:
-        # The wrapper is a local entry of the shared interface; dropping it uncovers the library-wide one.
-        del attention_functions["sdpa"]
-        if attention_functions.get("sdpa") is not _original_sdpa:
-            attention_functions["sdpa"] = _original_sdpa
-    _original_sdpa = _stashing_copy_of_sdpa = None
-    if layer_class.__dict__.get(_CHECKPOINT_FUNCTION) is _SLOT:
-        if _replaced_class_attribute is _MISSING:
-            delattr(layer_class, _CHECKPOINT_FUNCTION)
+    if hold.mapping.get("sdpa") is hold.entry:
+        hold.mapping["sdpa"] = hold.original
+    if hold.layer_class.__dict__.get(_CHECKPOINT_FUNCTION) is _SLOT:
+        if hold.class_attribute is _MISSING:
+            delattr(hold.layer_class, _CHECKPOINT_FUNCTION)
         else:
-            setattr(layer_class, _CHECKPOINT_FUNCTION, _replaced_class_attribute)
-    _replaced_class_attribute = _MISSING
+            setattr(hold.layer_class, _CHECKPOINT_FUNCTION, hold.class_attribute)
 
 
 def _install_message(model, chosen, attention_layers, others, sizes, micro_batch_size, sequence_length):

@@ -12,7 +12,7 @@ from collections import Counter
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig,
                           MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
@@ -168,6 +168,7 @@ def assert_stock_process():
     """Nothing of the stash is left in the process: the sdpa entry and the layer class are transformers' own."""
     from deepspeed.runtime.activation_checkpointing import attention_stash
 
-    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is STOCK_SDPA
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is STOCK_SDPA and "sdpa" not in ALL_ATTENTION_FUNCTIONS._local_mapping
+    assert AttentionInterface._global_mapping["sdpa"] is STOCK_SDPA
     assert "_gradient_checkpointing_func" not in GradientCheckpointingLayer.__dict__
-    assert not attention_stash._STASHES and attention_stash._original_sdpa is None
+    assert not attention_stash._STASHES and attention_stash._held is None

@@ -15,7 +15,7 @@ import pytest
 import torch
 import transformers
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from deepspeed.runtime.activation_checkpointing import attention_stash
@@ -24,7 +24,7 @@ from deepspeed.runtime.activation_checkpointing.attention_stash import install_a
 from attention_stash_helpers import (CPU_BACKWARD, CPU_FORWARD, MODELS, NUM_LAYERS, CountOps, assert_same_grads,
                                      assert_stock_process, batch_ids, checkpointed, counted_step, free_port,
                                      kept_outputs, llama_model, mixtral_model, param_grads, qwen3_moe_model,
-                                     stashed_train_step, train_step)
+                                     stashed_train_step, train_step, STOCK_SDPA)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -220,10 +220,12 @@ def test_remove_restores_stock_behaviour(install):
 
     handle = install(first, 2)
     other = install(second, 1)
-    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is attention_stash._stashing_sdpa
-    assert attention_stash._original_sdpa is stock
+    entry = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    assert entry is attention_stash._held.entry and attention_stash._held.original is stock
+    # In the library-wide mapping, where AttentionInterface.register writes: a later registration replaces it.
+    assert AttentionInterface._global_mapping["sdpa"] is entry
     handle.remove()
-    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is attention_stash._stashing_sdpa  # the other model still has a stash
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is entry  # the other model still has a stash
     other.remove()
     assert ALL_ATTENTION_FUNCTIONS["sdpa"] is stock
     assert all(not layer._forward_pre_hooks for layer in first.model.layers)
@@ -426,12 +428,32 @@ def test_rejects_an_in_place_change_of_the_attention_output(install, use_reentra
 
 def test_rejects_recompute_without_kept_output(install):
     model = checkpointed(mixtral_model())
-    handle = install(model, 1)
     loss = model(input_ids=batch_ids(), labels=batch_ids()).loss
-    handle.remove()
     install(model, 1)
-    with pytest.raises(RuntimeError, match="needs a kept attention output for the recompute of model.layers.2, got"):
+    with pytest.raises(RuntimeError,
+                       match="needs a kept attention output for the recompute of model.layers.2, got a recompute "
+                       "outside the stash's checkpoint call: of a forward that ran before the install"):
         loss.backward()
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non_reentrant"])
+def test_a_forward_before_a_reinstall_recomputes_stock(install, use_reentrant):
+    """The forward ran under a stash removed before its backward, with another installed on the layer meanwhile: its
+    recompute runs in the removed stash's checkpoint call, stock, as the removal promises, and the new stash's counts
+    stay at zero."""
+    model = checkpointed(mixtral_model(), use_reentrant)
+    ids = batch_ids()
+    expected_loss, expected = train_step(model, ids)
+    first = install(model, NUM_LAYERS)
+    loss = model(input_ids=ids, labels=ids).loss
+    first.remove()
+    second = install(model, NUM_LAYERS)
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    assert torch.equal(loss.detach(), expected_loss)
+    assert_same_grads(param_grads(model), expected)
+    assert (first.num_kept, first.recomputes_served, second.num_kept, second.recomputes_served) == (0, 0, 0, 0)
+    assert not kept_outputs()
 
 
 def test_same_input_tensor_in_two_forwards_before_their_backwards(install):
@@ -522,7 +544,7 @@ def _refuse_a_class_attribute(model, monkeypatch):
 
 
 def _refuse_an_unservable_sdpa_entry(model, monkeypatch):
-    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, "sdpa", lambda *args, **kwargs: None)
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._local_mapping, "sdpa", lambda *args, **kwargs: None)
     return install_attention_stash(model, 1)
 
 
@@ -549,9 +571,10 @@ def test_a_refused_install_leaves_nothing_installed(monkeypatch, refuse, message
     model = checkpointed(mixtral_model())
     with pytest.raises((RuntimeError, ValueError), match=message):
         refuse(model, monkeypatch)
-    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is not attention_stash._stashing_sdpa
+    # The refused sdpa entry is the test's own, in the interface's local mapping: the library-wide one is as it was.
+    assert AttentionInterface._global_mapping["sdpa"] is STOCK_SDPA
     assert "_gradient_checkpointing_func" not in GradientCheckpointingLayer.__dict__
-    assert not attention_stash._STASHES and attention_stash._original_sdpa is None
+    assert not attention_stash._STASHES and attention_stash._held is None
     monkeypatch.undo()
     assert_stock_process()
     handle = install_attention_stash(checkpointed(mixtral_model()), 1)
