@@ -783,6 +783,8 @@ _LOCK = threading.Lock()
 _held = None
 # What GradientCheckpointingLayer's class dictionary held under _CHECKPOINT_FUNCTION before the slot went in.
 _MISSING = object()
+# Each sdpa entry the stash made, to the function it stands in front of: a library that wrapped one may write it back.
+_ENTRIES = weakref.WeakKeyDictionary()
 
 
 class _Hold:
@@ -912,6 +914,7 @@ def _stashing_entry(original):
                 stash.raise_outside_checkpoint()
         return original(module, *args, **kwargs)
 
+    _ENTRIES[stashing_sdpa] = original
     return stashing_sdpa
 
 
@@ -1200,7 +1203,8 @@ def _take_hold(layer_class, attention_functions):
     global _held
     if _held is None:
         mapping = _sdpa_mapping(attention_functions)
-        original = mapping["sdpa"]
+        # An entry of an earlier install, which a library wrapped and, unwrapping, wrote back, stands for its original.
+        original = _ENTRIES.get(mapping["sdpa"], mapping["sdpa"])
         # The entry first: it raises for an original it cannot serve, before anything is changed.
         hold = _Hold(layer_class, attention_functions, mapping, original, _stashing_entry(original))
         setattr(layer_class, _CHECKPOINT_FUNCTION, _SLOT)

@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""The attention stash inside DeepSpeed training: ZeRO stages, AutoEP, two ranks, gradient accumulation, HF Trainer.
+"""The attention stash inside DeepSpeed training: ZeRO stages, AutoEP, two ranks, gradient accumulation, HF Trainer,
+DeepSpeed's own activation checkpointing.
 
 Every test trains the same model with and without the stash and compares. On CPU the stash replays the normal
 recompute's deterministic kernels, so losses and parameters are compared bitwise.
@@ -19,8 +20,9 @@ import transformers
 
 from deepspeed.runtime.activation_checkpointing.attention_stash import install_attention_stash
 
-from attention_stash_helpers import (CPU_FORWARD, NUM_LAYERS, CountOps, batch_ids, checkpointed, free_port,
-                                     mixtral_model, qwen3_moe_model)
+from attention_stash_helpers import (CPU_FORWARD, NUM_LAYERS, CountOps, assert_same_grads, batch_ids, checkpointed,
+                                     free_port, mixtral_model, param_grads, qwen3_moe_model, stashed_train_step,
+                                     train_step)
 
 # One process group for the whole module, as deepspeed.initialize makes it from these on first use.
 for _variable, _default in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
@@ -270,3 +272,74 @@ def test_hugging_face_trainer_enables_checkpointing_after_install(tmp_path, reen
     assert plain_forwards == 2 * NUM_LAYERS * steps
     assert stashed_forwards == NUM_LAYERS * steps
     assert stashed_losses == plain_losses and len(plain_losses) == steps
+
+
+def deepspeed_checkpointed(model):
+    """The model checkpointed by DeepSpeed's activation checkpointing, as Hugging Face's checkpoint function."""
+    import deepspeed
+
+    checkpointed(model)
+    for layer in model.model.layers:
+        layer._gradient_checkpointing_func = deepspeed.checkpointing.checkpoint
+    return model
+
+
+@pytest.fixture
+def deepspeed_checkpointing():
+    """DeepSpeed's activation checkpointing, configured without a model-parallel unit; its defaults again after."""
+    import deepspeed
+    from deepspeed.runtime.activation_checkpointing import checkpointing
+
+    deepspeed.init_distributed(dist_backend="gloo")
+
+    def configure(**settings):
+        checkpointing.configure(None, **settings)
+
+    yield configure
+    checkpointing.configure(None, partition_activations=False)
+    checkpointing.reset()
+
+
+@pytest.mark.parametrize("partition_activations", [False, True], ids=["plain", "partitioned"])
+def test_deepspeed_checkpoint_function(install, deepspeed_checkpointing, partition_activations):
+    """deepspeed.checkpointing.checkpoint as each layer's checkpoint function: served bitwise."""
+    deepspeed_checkpointing(partition_activations=partition_activations)
+    model = deepspeed_checkpointed(mixtral_model())
+    ids = batch_ids()
+    expected_loss, expected = train_step(model, ids)
+    handle = install(model, NUM_LAYERS)
+    loss, grads = stashed_train_step(model, handle, ids)
+    assert torch.equal(loss, expected_loss)
+    assert_same_grads(grads, expected)
+
+
+def test_deepspeed_checkpoint_function_under_autocast(install, deepspeed_checkpointing):
+    """DeepSpeed's checkpoint does not restore autocast in its recompute: with the backward outside autocast, the
+    recompute's attention would run in another dtype than its forward's. The stash raises its own error naming it,
+    and releases what it kept; under torch's checkpoint, which restores autocast, the same step is served."""
+    deepspeed_checkpointing()
+    ids = batch_ids()
+
+    def autocast_step(model):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.detach(), param_grads(model)
+
+    model = deepspeed_checkpointed(mixtral_model())
+    handle = install(model, NUM_LAYERS)
+    with pytest.raises(RuntimeError,
+                       match="needs the recompute of model.layers.2 to run attention in its forward's dtype, got "
+                       "torch.bfloat16 in the forward and torch.float32 in the recompute \\(attention call 1\\): "
+                       "autocast differs between the passes"):
+        autocast_step(model)
+    assert (handle.num_kept, handle.recomputes_served, handle.released_without_backward) == (0, 0, NUM_LAYERS)
+
+    model = checkpointed(mixtral_model())
+    expected_loss, expected = autocast_step(model)
+    handle = install(model, NUM_LAYERS)
+    loss, grads = autocast_step(model)
+    assert handle.recomputes_served == NUM_LAYERS
+    assert torch.equal(loss, expected_loss)
+    assert_same_grads(grads, expected)
