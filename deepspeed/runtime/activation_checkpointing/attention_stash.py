@@ -1351,7 +1351,12 @@ def install_attention_stash(model: torch.nn.Module,
     Forwards without a backward (``torch.no_grad()``, eval mode, generation) run stock sdpa and keep nothing. What the
     stash cannot serve raises instead of falling back: attention dropout, a training forward outside a checkpoint or
     under ``torch.compile`` or a ``torch.func`` transform, an SDPA backend without an exact replay, an attention output
-    changed in place in the forward, a second install on a layer, a second backward through a retained graph.
+    changed in place in the forward, a recompute whose attention runs in another dtype than its forward's (autocast
+    not restored by the checkpoint), a second install on a layer, a second backward through a retained graph.
+
+    The stash's sdpa entry goes where Hugging Face's lookups find it; a function registered as "sdpa" after the install
+    replaces it, as it would replace the original, and runs everywhere but in stashed layers, which raise naming it. A
+    wrapper that a library puts around the stash's entry keeps working after ``remove()``, as without the stash.
 
     Returns an ``AttentionStashHandle``; its ``remove()`` uninstalls the stash.
     """
