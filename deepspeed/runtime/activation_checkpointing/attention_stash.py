@@ -15,6 +15,7 @@ transformers is imported lazily, by ``install_attention_stash``.
 
 import inspect
 import math
+import operator
 import threading
 import types
 import weakref
@@ -333,14 +334,17 @@ def _training_choice(query, key, value, mask, is_causal, scale, enable_gqa):
         torch._C._set_grad_enabled(grad_enabled)
 
 
-def _autocast_inputs(query, key, value):
-    """Query, key and value in autocast's lower precision where autocast is on for their device, as F.sdpa runs
-    them; the aten ops the stash calls are not autocast-aware."""
+def _autocast_inputs(query, key, value, mask):
+    """Query, key, value and a float mask in autocast's lower precision where autocast is on for their device, as
+    F.sdpa runs them (autocast casts every floating-point argument but float64); the aten ops the stash calls are not
+    autocast-aware."""
     device_type = query.device.type
     if not torch.is_autocast_enabled(device_type):
-        return query, key, value
+        return query, key, value, mask
     dtype = torch.get_autocast_dtype(device_type)
-    return tuple(t.to(dtype) if t.dtype != torch.float64 else t for t in (query, key, value))
+    return tuple(
+        t.to(dtype) if t is not None and t.is_floating_point() and t.dtype != torch.float64 else t
+        for t in (query, key, value, mask))
 
 
 def _ops_for(device_type, choice):
@@ -357,8 +361,8 @@ def _ops_for(device_type, choice):
     return ops
 
 
-# What the table's mask preparation is checked against: the mask F.sdpa itself passes to the kernel, once per backend
-# and mask dtype in a process, since that preparation has changed between PyTorch releases.
+# What the table's mask preparation is checked against: the mask F.sdpa itself passes to the kernel, once per backend,
+# mask dtype and query dtype in a process, since that preparation has changed between PyTorch releases.
 _MASKS_CHECKED = set()
 
 
@@ -391,7 +395,7 @@ def _check_mask_preparation(ops, choice, bias, query, key, value, mask, is_causa
                            f"{tuple(bias.shape)} against {getattr(theirs, 'dtype', None)} "
                            f"{tuple(getattr(theirs, 'shape', ()))}). Train masked batches without the stash on this "
                            f"PyTorch.")
-    _MASKS_CHECKED.add((ops, mask.dtype))
+    _MASKS_CHECKED.add((ops, mask.dtype, query.dtype))
 
 
 # (ops, whether a mask is given) -> the positions in (query, key, value, mask, output, *the kernel's saved tensors) of
@@ -513,19 +517,32 @@ class _CheckpointCall:
         _state.call = self
         try:
             outputs = self.function(*args, **kwargs)
+        except _StopRecomputationError:
+            # A non-reentrant recompute stopped at its last save: each of its attention calls has reached the stash by
+            # then, or the tensors it saved are not the forward's.
+            if passes == 2 and self.stash.active and self.calls < len(self.kept):
+                self._check_recompute_calls()
+            raise
         finally:
             _state.call = previous
-        if not self.calls and self.stash.active:
+        if passes == 1 and not self.calls and self.stash.active:
             self.stash.raise_without_attention_call(self.reached)
         if passes == 2:
             if self.calls != len(self.kept) and self.stash.active:
-                raise RuntimeError(f"{_FEATURE} needs the recompute of {self.stash.name} to make its forward's "
-                                   f"{len(self.kept)} attention calls, got {self.calls}. Keep a layer's attention "
-                                   f"calls the same from a forward to its backward, or remove the stash from this "
-                                   f"layer.")
+                self._check_recompute_calls()
             # Each entry was taken: nothing is left for the release.
             self.kept = ()
         return outputs
+
+    def _check_recompute_calls(self):
+        """Raise for a recompute that made other attention calls than its forward, releasing what is kept."""
+        expected = len(self.kept)
+        self._release()
+        if not self.calls:
+            self.stash.raise_without_attention_call(self.reached)
+        raise RuntimeError(f"{_FEATURE} needs the recompute of {self.stash.name} to make its forward's "
+                           f"{expected} attention calls, got {self.calls}. Keep a layer's attention calls the "
+                           f"same from a forward to its backward, or remove the stash from this layer.")
 
     def sdpa(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False):
         """F.scaled_dot_product_attention for one attention call of the layer, with the arguments it got: the first
@@ -540,7 +557,7 @@ class _CheckpointCall:
         if dropout_p != 0.0 or attn_mask is not None or self.masks is not None:
             self._check_arguments(attn_mask, dropout_p, index)
         if torch._C._is_any_autocast_enabled():
-            query, key, value = _autocast_inputs(query, key, value)
+            query, key, value, attn_mask = _autocast_inputs(query, key, value, attn_mask)
         choice = _training_choice(query, key, value, attn_mask, is_causal, scale, enable_gqa)
         # The device's type without making a torch.device, for the devices the table serves.
         device_type = "cuda" if query.is_cuda else "cpu" if query.is_cpu else query.device.type
@@ -567,7 +584,7 @@ class _CheckpointCall:
         bias = None
         if attn_mask is not None:
             bias = ops.prepare_mask(attn_mask, query, key, value)
-            if (ops, attn_mask.dtype) not in _MASKS_CHECKED:
+            if (ops, attn_mask.dtype, query.dtype) not in _MASKS_CHECKED:
                 _check_mask_preparation(ops, choice, bias, query, key, value, attn_mask, is_causal, scale, enable_gqa)
         head_dim = 0
         if ops.head_dim_multiple != 1 and query.shape[-1] % ops.head_dim_multiple:
@@ -737,12 +754,14 @@ class _LayerStash:
         if torch._C._current_graph_task_id() != -1:
             raise RuntimeError(f"{_FEATURE} needs a kept attention output for the recompute of {self.name}, got a "
                                f"recompute outside the stash's checkpoint call: of a forward that ran before the "
-                               f"install, or by a checkpoint that does not read the layer's {_CHECKPOINT_FUNCTION}. "
+                               f"install, by a checkpoint that does not read the layer's {_CHECKPOINT_FUNCTION}, or "
+                               f"of a layer that shares the attention module without a stash. "
                                f"Install the stash before the forward, and checkpoint the layer through Hugging "
                                f"Face's activation checkpointing.")
         raise RuntimeError(f"{_FEATURE} needs Hugging Face activation checkpointing for a training forward of "
-                           f"{self.name}, got no activation checkpointing on it (none enabled, or every_n_layers "
-                           f"leaves it out). Call {_CHECKPOINTING_HINT}, or put the model in eval mode or "
+                           f"{self.name}, got no activation checkpointing on it (none enabled, every_n_layers leaves "
+                           f"it out, or a layer without a stash shares its attention module). Call "
+                           f"{_CHECKPOINTING_HINT}, or put the model in eval mode or "
                            f"torch.no_grad() for forwards without a backward.")
 
     def raise_without_attention_call(self, reached):
@@ -855,6 +874,17 @@ def _attention_of_current_call(query,
     return _state.call.sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
 
 
+def _names_read(function):
+    """The names a function's code and the functions defined in it read, attributes and globals alike: those defined
+    in it run with its globals too."""
+    code = getattr(function, "__code__", None)
+    codes, names = [code] if isinstance(code, types.CodeType) else [], set()
+    while codes:
+        names.update(codes[-1].co_names)
+        codes += [const for const in codes.pop().co_consts if isinstance(const, types.CodeType)]
+    return names
+
+
 def _stashing_copy(function):
     """A copy of Hugging Face's sdpa function that runs its code unchanged, but for one name: where its code reaches
     F.scaled_dot_product_attention through a module global (``torch``, ``torch.nn``, ``F`` or the function itself),
@@ -870,11 +900,7 @@ def _stashing_copy(function):
     }
     code = getattr(function, "__code__", None)
     module_globals = getattr(function, "__globals__", None)
-    # The names its code and the functions defined in it read: those run with the copy's globals too.
-    codes, names = [code] if isinstance(code, types.CodeType) else [], set()
-    while codes:
-        names.update(codes[-1].co_names)
-        codes += [const for const in codes.pop().co_consts if isinstance(const, types.CodeType)]
+    names = _names_read(function)
     entries = {name: views[id(module_globals[name])] for name in names if id(module_globals.get(name)) in views}
     if not entries or _SDPA.__name__ not in names:
         raise RuntimeError(f"{_FEATURE} needs Hugging Face's sdpa attention function, which calls "
@@ -897,14 +923,29 @@ def _stashing_entry(original):
     An attention module of a stashed layer, called inside the layer's checkpoint call, runs the stash's copy of
     ``original``; every other call runs ``original`` itself. It keeps doing so after the stash lets go of the entry,
     for a library that wrapped it meanwhile: after the removal, that wrapper calls what it would have called without
-    the stash. Raises, before anything is changed, where ``original`` cannot be served."""
+    the stash. Raises, before anything is changed, where ``original`` cannot be served.
+
+    The copy's globals are a snapshot of its module's: where a name it reads there changes later (a library's patch
+    of ``repeat_kv``, ``mock.patch``), the next call makes a new copy, so that it runs what the original would."""
     copy = _stashing_copy(original)
+    module_globals = original.__globals__
+    # The module globals the copy reads, and their values when it was made (a tuple of them; one value for one name).
+    read = operator.itemgetter(*(name for name in _names_read(original) if name in module_globals))
+    values = read(module_globals)
 
     def stashing_sdpa(module, *args, **kwargs):
+        nonlocal copy, values
         call = _state.call
         if call is not None and module in call.stash.modules:
             if call.stash.active:
                 call.reached = True
+                try:
+                    now = read(module_globals)
+                except KeyError:
+                    # A global deleted since: the copy's code then fails as the original's would.
+                    now = None
+                if now is not values and now != values:
+                    copy, values = _stashing_copy(original), now
                 return copy(module, *args, **kwargs)
             # The recompute of a forward that ran before its stash's removal: stock, as the removal promises.
             return original(module, *args, **kwargs)
@@ -1198,17 +1239,69 @@ def _class_defining(cls, name):
     return next((klass for klass in cls.__mro__ if name in klass.__dict__), None)
 
 
+def _earlier_entry(function):
+    """The sdpa entry of an earlier install that ``function`` is, or wraps: through ``__wrapped__`` (functools.wraps)
+    or a variable of its closure, a few wrappers deep; None for none."""
+
+    def is_entry(candidate):
+        try:
+            return candidate in _ENTRIES
+        except TypeError:
+            # Unhashable: no function.
+            return False
+
+    for _ in range(8):
+        if is_entry(function):
+            return function
+        inner = getattr(function, "__wrapped__", None)
+        if inner is None:
+            contents = []
+            for cell in getattr(function, "__closure__", None) or ():
+                try:
+                    contents.append(cell.cell_contents)
+                except ValueError:
+                    pass
+            inner = next((content for content in contents if is_entry(content)), None)
+        if inner is None:
+            return None
+        function = inner
+    return None
+
+
+def _check_unshared(model, layer_class, chosen):
+    """Raise where an attention module of a layer to stash is also a module of a decoder layer left unstashed: its
+    calls there would run outside a stashed checkpoint."""
+    attention = {id(module): (name, module) for name, _, modules in chosen for module in modules}
+    stashed = {id(layer) for _, layer, _ in chosen}
+    for other_name, other in _decoder_layers(model, layer_class):
+        if id(other) in stashed:
+            continue
+        for module in other.modules():
+            if id(module) in attention:
+                name, module = attention[id(module)]
+                raise RuntimeError(f"{_FEATURE} needs the attention modules of the layers it stashes to be theirs "
+                                   f"alone, got the {type(module).__name__} of {name} shared with {other_name}, "
+                                   f"which is not stashed. Choose num_layers so that both layers are stashed, or "
+                                   f"neither.")
+
+
 def _take_hold(layer_class, attention_functions):
     """Put the checkpoint-function slot and the stash's sdpa entry in place, once for all stashes. Under ``_LOCK``."""
     global _held
     if _held is None:
         mapping = _sdpa_mapping(attention_functions)
-        # An entry of an earlier install, which a library wrapped and, unwrapping, wrote back, stands for its original.
-        original = _ENTRIES.get(mapping["sdpa"], mapping["sdpa"])
-        # The entry first: it raises for an original it cannot serve, before anything is changed.
-        hold = _Hold(layer_class, attention_functions, mapping, original, _stashing_entry(original))
+        current = mapping["sdpa"]
+        # The entry of an earlier install that a library wrapped (and may have written back, unwrapping) serves again:
+        # it is what the lookups reach.
+        earlier = _earlier_entry(current)
+        if earlier is not None:
+            hold = _Hold(layer_class, attention_functions, mapping, _ENTRIES[earlier], earlier)
+        else:
+            # The entry first: it raises for an original it cannot serve, before anything is changed.
+            hold = _Hold(layer_class, attention_functions, mapping, current, _stashing_entry(current))
         setattr(layer_class, _CHECKPOINT_FUNCTION, _SLOT)
-        mapping["sdpa"] = hold.entry
+        if current is hold.original:
+            mapping["sdpa"] = hold.entry
         _held = hold
 
 
@@ -1217,7 +1310,7 @@ def _let_go():
     meanwhile stays as that left it; a wrapper around the stash's entry keeps calling it, and it the original."""
     global _held
     hold = _held
-    if _STASHES or hold is None:
+    if hold is None or any(stash.active and stash.layer() is not None for stash in list(_STASHES.values())):
         return
     _held = None
     if hold.mapping.get("sdpa") is hold.entry:
@@ -1227,6 +1320,17 @@ def _let_go():
             delattr(hold.layer_class, _CHECKPOINT_FUNCTION)
         else:
             setattr(hold.layer_class, _CHECKPOINT_FUNCTION, hold.class_attribute)
+
+
+def _let_go_after_collection():
+    """Called when a stashed layer is collected: where no stashed layer is left alive, the hold goes, as if removed.
+    A collection can run inside an install or removal on this thread, which then holds the lock: the next one lets
+    go."""
+    if _LOCK.acquire(blocking=False):
+        try:
+            _let_go()
+        finally:
+            _LOCK.release()
 
 
 def _install_message(model, chosen, attention_layers, others, sizes, micro_batch_size, sequence_length):
@@ -1396,6 +1500,7 @@ def install_attention_stash(model: torch.nn.Module,
             raise RuntimeError(f"{_FEATURE} needs {name} to keep its checkpoint function per instance, as "
                                f"GradientCheckpointingLayer does, got a class attribute {_CHECKPOINT_FUNCTION} on "
                                f"{type(layer).__name__}. Remove that attribute from the class.")
+    _check_unshared(model, layer_class, chosen)
     message = _install_message(model, chosen, attention_layers, others, sizes, micro_batch_size, sequence_length)
 
     counters = _Counters()
@@ -1412,5 +1517,7 @@ def install_attention_stash(model: torch.nn.Module,
             for module in layer.modules():
                 _STASHES[module] = stash
             stashes.append(stash)
+            # A model dropped without remove() leaves nothing installed either.
+            weakref.finalize(layer, _let_go_after_collection).atexit = False
     logger.info(message)
     return AttentionStashHandle(stashes, counters)

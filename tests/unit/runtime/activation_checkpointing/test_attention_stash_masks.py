@@ -103,6 +103,33 @@ def test_additive_float_mask(install):
     _assert_served_exactly(llama_model, install=install, input_ids=ids, attention_mask=bias, labels=ids)
 
 
+@pytest.mark.parametrize("order", ["autocast_first", "fp32_first"])
+def test_additive_float_mask_under_autocast(install, monkeypatch, order):
+    """Autocast casts a float mask to its dtype along with the query, key and value, as F.sdpa runs it; a bias whose
+    rounding matters shows whether the stash does the same, with the mask check made under autocast or, in fp32,
+    before it."""
+    monkeypatch.setattr(attention_stash, "_MASKS_CHECKED", set())
+    ids = batch_ids(sequence=SEQUENCE)
+    bias = torch.zeros(2, 1, SEQUENCE, SEQUENCE)
+    bias[0, :, :, :3] = -0.3
+    bias[1, :, :, 5:9] = 0.123456789
+    bias = bias.masked_fill(~torch.ones(SEQUENCE, SEQUENCE, dtype=torch.bool).tril(), float("-inf"))
+    model = checkpointed(llama_model())
+    inputs = dict(input_ids=ids, attention_mask=bias, labels=ids)
+
+    def step(autocast):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            return counted_step(model, **inputs)[:2]
+
+    expected = {autocast: step(autocast) for autocast in (False, True)}
+    handle = install(model, NUM_LAYERS)
+    for autocast in ((True, False) if order == "autocast_first" else (False, True)):
+        loss, grads = step(autocast)
+        assert torch.equal(loss, expected[autocast][0])
+        assert_same_grads(grads, expected[autocast][1])
+    assert handle.recomputes_served == 2 * NUM_LAYERS
+
+
 def test_bf16_padded_batch(install):
     ids = batch_ids(sequence=SEQUENCE)
     _assert_served_exactly(lambda: qwen3_moe_model(torch.bfloat16),
@@ -153,7 +180,7 @@ def test_mask_preparation_is_checked_against_pytorch_once(install, monkeypatch):
     install(model, 1)
     ids = batch_ids(sequence=SEQUENCE)
     model(input_ids=ids, attention_mask=_padding_mask("left"), labels=ids).loss.backward()
-    assert attention_stash._MASKS_CHECKED == {(attention_stash._CpuFlashOps, torch.bool)}
+    assert attention_stash._MASKS_CHECKED == {(attention_stash._CpuFlashOps, torch.bool, torch.float32)}
 
     def finfo_min_mask(mask, dtype):
         return mask if mask is None else torch.zeros(mask.shape, dtype=dtype).masked_fill(

@@ -6,10 +6,13 @@ DeepSpeed's own activation checkpointing and activation offload, hooks that run 
 their true cause."""
 
 import copy
+import functools
+import gc
 
 import pytest
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+from transformers.integrations import sdpa_attention
 from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer
 
 from deepspeed.runtime.activation_checkpointing import attention_stash
@@ -277,3 +280,101 @@ def test_deepspeed_hidden_states_offload(install):
     assert handle.recomputes_served == NUM_LAYERS
     assert torch.equal(loss, expected_loss)
     assert_same_grads(grads, expected)
+
+
+@pytest.mark.parametrize("wraps", [False, True], ids=["closure", "functools_wraps"])
+def test_install_again_under_a_wrapper_that_stayed(install, sdpa_entry, wraps):
+    """A library's wrapper around the stash's entry stays after remove(): a later install serves through it, found
+    through its closure or its __wrapped__, and its removal leaves the wrapper as the library put it."""
+    ids = batch_ids()
+    model = checkpointed(mixtral_model())
+    expected_loss, expected = train_step(model, ids)
+    first = install(model, 1)
+    inner = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    wrapper = counting_wrapper(
+        inner, []) if not wraps else functools.wraps(inner)(lambda *args, **kwargs: inner(*args, **kwargs))
+    sdpa_entry("global", wrapper)
+    first.remove()
+    for _ in range(2):
+        handle = install(model, NUM_LAYERS)
+        loss, grads = stashed_train_step(model, handle, ids)
+        assert torch.equal(loss, expected_loss)
+        assert_same_grads(grads, expected)
+        handle.remove()
+        assert AttentionInterface._global_mapping["sdpa"] is wrapper and attention_stash._held is None
+    loss, grads = train_step(model, ids)
+    assert torch.equal(loss, expected_loss)
+    assert_same_grads(grads, expected)
+
+
+@MODES
+def test_a_global_of_the_sdpa_module_patched_after_the_install(install, monkeypatch, use_reentrant):
+    """A name that transformers' sdpa function reads from its module, patched after the install (a library's patch,
+    mock.patch): stashed layers run the patched one, as the unstashed layers and a stock model do, and again the
+    original once the patch is undone."""
+    ids = batch_ids()
+    model = checkpointed(mixtral_model(), use_reentrant)
+    handle = install(model, 2)
+    original = sdpa_attention.use_gqa_in_sdpa
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(args)
+        return original(*args, **kwargs)
+
+    stashed_train_step(model, handle, ids)
+    monkeypatch.setattr(sdpa_attention, "use_gqa_in_sdpa", counted)
+    stashed_train_step(model, handle, ids)
+    # Each layer's forward and recompute read it once: 3 forwards, 3 recomputes.
+    assert len(calls) == 2 * NUM_LAYERS
+    monkeypatch.undo()
+    calls.clear()
+    stashed_train_step(model, handle, ids)
+    assert not calls
+
+
+def test_a_registration_between_a_forward_and_its_non_reentrant_backward(install, sdpa_entry):
+    """A non-reentrant recompute stops at its last save; a recompute whose attention no longer reaches the stash
+    saves other tensors and stops before any attention call the stash sees: it raises naming the registered function,
+    never recomputes stock unnoticed, and releases what that layer kept."""
+    model = checkpointed(mixtral_model(), use_reentrant=False)
+    handle = install(model, 2)
+    ids = batch_ids()
+    loss = model(input_ids=ids, labels=ids).loss
+    sdpa_entry("global", scaled_sdpa([]))
+    with pytest.raises(RuntimeError,
+                       match=r"needs the attention of model.layers.2 to reach the sdpa entry it installed in "
+                       r"ALL_ATTENTION_FUNCTIONS, got <function scaled_sdpa"):
+        loss.backward()
+    # Layer 2's output went with the error; layer 1's waits for its graph, which goes with the loss.
+    assert (handle.num_kept, handle.recomputes_served, handle.released_without_backward) == (1, 0, 1)
+    del loss
+    gc.collect()
+    assert (handle.num_kept, handle.kept_bytes, handle.released_without_backward) == (0, 0, 2)
+
+
+def test_an_attention_module_shared_with_an_unstashed_layer_is_refused_at_install():
+    model = checkpointed(mixtral_model())
+    model.model.layers[2].self_attn = model.model.layers[1].self_attn
+    with pytest.raises(RuntimeError,
+                       match="needs the attention modules of the layers it stashes to be theirs alone, got the "
+                       "MixtralAttention of model.layers.2 shared with model.layers.1, which is not stashed"):
+        install_attention_stash(model, 1)
+    assert_stock_process()
+
+
+def test_a_stashed_model_dropped_without_remove_leaves_nothing_installed():
+    """The hold on Hugging Face's objects goes with the last stashed layer, also without handle.remove(); a model
+    that is still stashed keeps it."""
+    kept, dropped = checkpointed(mixtral_model()), checkpointed(mixtral_model())
+    handle = install_attention_stash(kept, 1)
+    install_attention_stash(dropped, NUM_LAYERS)
+    ids = batch_ids()
+    dropped(input_ids=ids, labels=ids).loss.backward()
+    del dropped
+    gc.collect()
+    assert attention_stash._held is not None
+    stashed_train_step(kept, handle, ids)
+    del kept, handle
+    gc.collect()
+    assert_stock_process()
