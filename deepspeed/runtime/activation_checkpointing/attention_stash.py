@@ -32,8 +32,8 @@ from deepspeed.utils import logger
 aten = torch.ops.aten
 
 _FEATURE = "attention stash"
-# The builtin that Hugging Face's sdpa function calls.
-_SDPA = F.scaled_dot_product_attention
+# PyTorch's builtin that Hugging Face's sdpa function calls as torch.nn.functional's, where nothing replaced it there.
+_SDPA = torch._C._nn.scaled_dot_product_attention
 # PyTorch entry points beyond the public API; the installer checks them, with the kernels of the backend table.
 _TORCH_ENTRY_POINTS = ("_fused_sdp_choice", "_C._current_graph_task_id", "_C._set_grad_enabled",
                        "_C._is_any_autocast_enabled", "_C._are_functorch_transforms_active",
@@ -465,6 +465,12 @@ def _mask_digest(mask):
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+def _raise_replaced_sdpa():
+    raise RuntimeError(f"{_FEATURE} needs torch.nn.functional.scaled_dot_product_attention to be PyTorch's own, "
+                       f"whose kernels it replays, got {F.scaled_dot_product_attention!r} put in its place. Remove "
+                       f"that replacement, or train without the stash.")
+
+
 class _ThreadState(threading.local):
     # The checkpoint call whose layer function runs on this thread now, if any: the one its attention call serves.
     call = None
@@ -551,6 +557,8 @@ class _CheckpointCall:
         first pass records a graph, the first pass runs the kernel with grad, so that PyTorch's own node for it is in
         the graph and runs the backward; the recompute's node saves what that node saved, for the checkpoint to fill
         its saved tensors."""
+        if F.scaled_dot_product_attention is not _SDPA:
+            _raise_replaced_sdpa()
         index = self.calls
         self.calls = index + 1
         # This runs in both passes of every stashed layer: what an unmasked call without dropout needs comes first.
@@ -951,7 +959,8 @@ def _stashing_entry(original):
             return original(module, *args, **kwargs)
         if torch.is_grad_enabled() and module.training:
             stash = _STASHES.get(module)
-            if stash is not None:
+            # A stash whose layer was collected leaves its modules to whatever runs them now.
+            if stash is not None and stash.layer() is not None:
                 stash.raise_outside_checkpoint()
         return original(module, *args, **kwargs)
 
@@ -1420,6 +1429,7 @@ class AttentionStashHandle:
             removed = set(self._stashes)
             for stash in self._stashes:
                 stash.active = False
+                stash.finalizer.detach()
             for module in [module for module, stash in _STASHES.items() if stash in removed]:
                 del _STASHES[module]
             self._stashes = []
@@ -1465,6 +1475,8 @@ def install_attention_stash(model: torch.nn.Module,
     Returns an ``AttentionStashHandle``; its ``remove()`` uninstalls the stash.
     """
     layer_class, attention_functions = _entry_points()
+    if F.scaled_dot_product_attention is not _SDPA:
+        _raise_replaced_sdpa()
     if (num_layers is None) == (memory_budget is None):
         raise TypeError(f"{_FEATURE} needs exactly one of num_layers and memory_budget, got "
                         f"{'both' if num_layers is not None else 'neither'}.")
@@ -1518,6 +1530,7 @@ def install_attention_stash(model: torch.nn.Module,
                 _STASHES[module] = stash
             stashes.append(stash)
             # A model dropped without remove() leaves nothing installed either.
-            weakref.finalize(layer, _let_go_after_collection).atexit = False
+            stash.finalizer = weakref.finalize(layer, _let_go_after_collection)
+            stash.finalizer.atexit = False
     logger.info(message)
     return AttentionStashHandle(stashes, counters)

@@ -8,6 +8,7 @@ their true cause."""
 import copy
 import functools
 import gc
+import weakref
 
 import pytest
 import torch
@@ -377,4 +378,54 @@ def test_a_stashed_model_dropped_without_remove_leaves_nothing_installed():
     stashed_train_step(kept, handle, ids)
     del kept, handle
     gc.collect()
+    assert_stock_process()
+
+
+def test_a_replaced_torch_sdpa_is_refused(install, monkeypatch):
+    """A process-wide replacement of F.scaled_dot_product_attention (SageAttention's suggestion) runs in stock code,
+    whose sdpa function calls it through torch.nn.functional: refused at install, and in a stashed forward when it
+    comes after the install, never bypassed."""
+    model = checkpointed(mixtral_model())
+    replacement = functools.partial(torch.nn.functional.scaled_dot_product_attention)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", replacement)
+    message = "needs torch.nn.functional.scaled_dot_product_attention to be PyTorch's own, whose kernels it replays"
+    with pytest.raises(RuntimeError, match=message):
+        install_attention_stash(model, 1)
+    assert_stock_process()
+    monkeypatch.undo()
+    handle = install(model, 1)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", replacement)
+    with pytest.raises(RuntimeError, match=message):
+        model(input_ids=batch_ids(), labels=batch_ids())
+    assert handle.num_kept == 0
+
+
+def test_an_attention_module_of_a_collected_stashed_model_runs_stock_elsewhere(install):
+    """A stashed model dropped without remove() whose attention module lives on in another, unstashed model, while a
+    third model holds a stash: the module runs stock there."""
+    dropped = checkpointed(mixtral_model())
+    install_attention_stash(dropped, 1)
+    attention = dropped.model.layers[2].self_attn
+    del dropped
+    gc.collect()
+    assert attention_stash._held is None
+    model = checkpointed(mixtral_model())
+    model.model.layers[2].self_attn = attention
+    ids = batch_ids()
+    expected_loss, expected = train_step(model, ids)
+    stashed = checkpointed(llama_model())
+    install(stashed, 1)
+    assert attention_stash._held is not None
+    loss, grads = train_step(model, ids)
+    assert torch.equal(loss, expected_loss)
+    assert_same_grads(grads, expected)
+
+
+def test_install_and_remove_in_a_loop_leave_no_finalizers_behind():
+    model = checkpointed(mixtral_model())
+    install_attention_stash(model, NUM_LAYERS).remove()
+    registered = len(weakref.finalize._registry)
+    for _ in range(5):
+        install_attention_stash(model, NUM_LAYERS).remove()
+    assert len(weakref.finalize._registry) == registered
     assert_stock_process()
