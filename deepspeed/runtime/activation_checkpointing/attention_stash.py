@@ -573,22 +573,10 @@ class _CheckpointCall:
         kept = self.kept
         if self.passes > 1:
             entry = kept[index] if index < len(kept) else None
-            if entry is not None and entry[1].dtype != query.dtype:
-                raise RuntimeError(f"{_FEATURE} needs the recompute of {self.stash.name} to run attention in its "
-                                   f"forward's dtype, got {entry[1].dtype} in the forward and {query.dtype} in the "
-                                   f"recompute (attention call {index + 1}): autocast differs between the passes, as "
-                                   f"under a checkpoint function that does not restore it in its recompute "
-                                   f"(deepspeed.checkpointing.checkpoint does not). Use torch.utils.checkpoint, as "
-                                   f"Hugging Face does by default, or train without autocast.")
-        if ops is None:
+            if entry is None or entry[0] is not ops or entry[1].dtype != query.dtype:
+                self._raise_unlike_forward(entry, ops, query, index, device_type, choice)
+        elif ops is None:
             _ops_for(device_type, choice)
-        if self.passes > 1:
-            if entry is None or entry[0] is not ops:
-                raise RuntimeError(f"{_FEATURE} needs one SDPA backend for both passes of {self.stash.name}, got "
-                                   f"{entry[0].name if entry else 'none'} in the forward and {ops.name} in the "
-                                   f"recompute (attention call {index + 1}). Keep sdpa_kernel contexts, "
-                                   f"deterministic-algorithm settings and a layer's attention calls the same for a "
-                                   f"forward and its backward.")
         bias = None
         if attn_mask is not None:
             bias = ops.prepare_mask(attn_mask, query, key, value)
@@ -635,6 +623,22 @@ class _CheckpointCall:
                 raise
             self.stash.counters.served(entry[4])
         return out[..., :head_dim] if head_dim else out
+
+    def _raise_unlike_forward(self, entry, ops, query, index, device_type, choice):
+        """Raise for a recompute's attention call that differs from its forward's in dtype or backend."""
+        if entry is not None and entry[1].dtype != query.dtype:
+            raise RuntimeError(f"{_FEATURE} needs the recompute of {self.stash.name} to run attention in its "
+                               f"forward's dtype, got {entry[1].dtype} in the forward and {query.dtype} in the "
+                               f"recompute (attention call {index + 1}): autocast differs between the passes, as "
+                               f"under a checkpoint function that does not restore it in its recompute "
+                               f"(deepspeed.checkpointing.checkpoint does not). Use torch.utils.checkpoint, as "
+                               f"Hugging Face does by default, or train without autocast.")
+        if ops is None:
+            _ops_for(device_type, choice)
+        raise RuntimeError(f"{_FEATURE} needs one SDPA backend for both passes of {self.stash.name}, got "
+                           f"{entry[0].name if entry else 'none'} in the forward and {ops.name} in the recompute "
+                           f"(attention call {index + 1}). Keep sdpa_kernel contexts, deterministic-algorithm "
+                           f"settings and a layer's attention calls the same for a forward and its backward.")
 
     def _check_arguments(self, attn_mask, dropout_p, index):
         """The guards of an attention call that has dropout or a mask (or whose layer had a mask in the first pass);
@@ -781,13 +785,15 @@ class _LayerStash:
                                f'each forward, got a forward without an sdpa call (attn_implementation '
                                f'"{implementation}"). Remove the stash before switching the attention '
                                f'implementation, and stash only layers with softmax attention.')
-        entry = None if _held is None else _held.attention_functions.get("sdpa")
+        # An active stash's install holds the entry.
+        hold = _held
         if reached:
             raise RuntimeError(f"{_FEATURE} needs the sdpa attention function to call "
                                f"torch.nn.functional.scaled_dot_product_attention in each forward of {self.name}, "
-                               f"got a forward in which {_held.original!r}, the function the stash serves, did not. "
+                               f"got a forward in which {hold.original!r}, the function the stash serves, did not. "
                                f"Remove the stash from this layer.")
-        if entry is not _held.entry:
+        entry = hold.attention_functions.get("sdpa")
+        if entry is not hold.entry:
             raise RuntimeError(f'{_FEATURE} needs the attention of {self.name} to reach the sdpa entry it installed '
                                f'in {_INTERFACE}, got {entry!r} in {_INTERFACE}["sdpa"], put there after the install '
                                f'without calling the entry it replaced. Register attention functions before '

@@ -121,6 +121,18 @@ def stashed_train_step(model, handle, ids):
     return loss.detach(), param_grads(model)
 
 
+def assert_stashed_step_is_stock(install, model, num_layers=NUM_LAYERS, ids=None):
+    """A stock step of ``model``, then a stashed one on its last ``num_layers`` attention layers: the same loss and
+    gradients, bitwise, every stashed layer served. Returns the handle."""
+    ids = batch_ids() if ids is None else ids
+    expected_loss, expected = train_step(model, ids)
+    handle = install(model, num_layers)
+    loss, grads = stashed_train_step(model, handle, ids)
+    assert torch.equal(loss, expected_loss)
+    assert_same_grads(grads, expected)
+    return handle
+
+
 def counted_step(model, **inputs):
     """A training step on ``inputs``: its loss, the parameters' gradients, and the aten calls of its backward."""
     model.zero_grad(set_to_none=True)
