@@ -37,6 +37,7 @@ _SDPA = torch._C._nn.scaled_dot_product_attention
 # PyTorch entry points beyond the public API; the installer checks them, with the kernels of the backend table.
 _TORCH_ENTRY_POINTS = ("_fused_sdp_choice", "_C._current_graph_task_id", "_C._set_grad_enabled",
                        "_C._is_any_autocast_enabled", "_C._are_functorch_transforms_active",
+                       "_C._autograd._top_saved_tensors_default_hooks",
                        "_C._dynamo.eval_frame.get_eval_frame_callback", "utils.checkpoint._StopRecomputationError")
 # What a non-reentrant checkpoint raises from its recompute's last save, to stop the recompute there.
 _StopRecomputationError = getattr(torch.utils.checkpoint, "_StopRecomputationError", None)
@@ -81,19 +82,19 @@ class _StashedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, key, value, mask, kept, is_causal, scale):
-        # ``kept`` is what the first pass kept of the call: (ops, output, saved tensors, scalars, bytes, version,
-        # order). Under reentrant checkpointing this node runs the backward, and ``order`` is None. Under non-reentrant
-        # checkpointing the first pass's own kernel node runs it: this node saves the tensors that node saved, in its
-        # order (see _native_saves), for the checkpoint to fill that node's saved tensors with them.
-        order = kept[6]
+        # ``kept`` is the first pass's _Kept of the call. Under reentrant checkpointing this node runs the backward,
+        # and ``kept.order`` is None. Under non-reentrant checkpointing the first pass's own kernel node runs it: this
+        # node saves the tensors that node saved, in its order (see _kernel_with_grad), for the checkpoint to fill
+        # that node's saved tensors with them.
+        order = kept.order
         if order is None:
-            ctx.save_for_backward(query, key, value, mask, kept[1], *kept[2])
+            ctx.save_for_backward(query, key, value, mask, kept.output, *kept.tensors)
         else:
-            saved = (query, key, value, mask, kept[1], *kept[2])
+            saved = (query, key, value, mask, kept.output, *kept.tensors)
             ctx.save_for_backward(*[saved[index] for index in order])
             ctx.size = len(saved)
-        ctx.order, ctx.scalars, ctx.is_causal, ctx.scale = order, kept[3], is_causal, scale
-        return kept[1]
+        ctx.order, ctx.scalars, ctx.is_causal, ctx.scale = order, kept.scalars, is_causal, scale
+        return kept.output
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -387,7 +388,9 @@ def _check_mask_preparation(ops, choice, bias, query, key, value, mask, is_causa
     kernel = _KernelArguments(getattr(aten, ops.ops[0]).default)
     with torch.no_grad(), sdpa_kernel([getattr(SDPBackend, _BACKEND_NAMES[choice])]), kernel:
         _SDPA(query, key, value, mask, 0.0, is_causal, scale=scale, enable_gqa=enable_gqa)
-    theirs = next((kernel.arguments[name] for name in ("attn_mask", "attn_bias") if name in kernel.arguments), None)
+    # No arguments where F.sdpa ran no such kernel call: then no mask of theirs matches.
+    arguments = kernel.arguments or {}
+    theirs = next((arguments[name] for name in ("attn_mask", "attn_bias") if name in arguments), None)
     if not (isinstance(theirs, torch.Tensor) and theirs.dtype == bias.dtype and theirs.shape == bias.shape
             and torch.equal(theirs, bias)):
         raise RuntimeError(f"{_FEATURE} needs its mask for {ops.name} to be the one F.scaled_dot_product_attention "
@@ -399,24 +402,38 @@ def _check_mask_preparation(ops, choice, bias, query, key, value, mask, is_causa
 
 
 # (ops, whether a mask is given) -> the positions in (query, key, value, mask, output, *the kernel's saved tensors) of
-# the tensors that the kernel's own autograd node saves, in the order it saves them.
+# the tensors that the kernel's own autograd node saves, in the order it saves them: PyTorch's generated code sets that
+# order per kernel, whatever the shapes, device or dtype. Learned from the first such call in a process.
 _NATIVE_SAVES = {}
 
 
-def _native_saves(ops, query, key, value, bias, is_causal, scale):
-    """What the backend kernel's own autograd node saves, in its order, as positions in the stash node's saves; found
-    once per backend and mask presence in a process, by running the kernel on detached copies under a recording
-    saved-tensor hook, since PyTorch's generated code sets that order. Raises for a saved tensor the stash does not
-    have."""
-    known = _NATIVE_SAVES.get((ops, bias is None))
-    if known is not None:
-        return known
+def _kernel_with_grad(ops, query, key, value, bias, is_causal, scale):
+    """Run the kernel with grad, as a non-reentrant checkpoint's first pass does, leaving its own autograd node in the
+    graph: (output, saved tensors, scalars, the node's save order as _NATIVE_SAVES holds it).
+
+    The first call of a backend and mask presence in a process learns the order from this very call: the saved-tensor
+    hooks in force (the checkpoint's) still pack every save, and a recording pack hook in front of them notes which
+    tensor each save is. Nothing else runs, and nothing is held after the call. Where no order is known yet and no
+    saved-tensor hooks are in force, nothing will fill the node's saves: the order stays None, and the recompute's node
+    runs the backward itself. Raises for a saved tensor the stash does not have."""
+    kind = (ops, bias is None)
+    order = _NATIVE_SAVES.get(kind)
+    hooks = None if order is not None else torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if hooks is None:
+        return (*ops.kernel(query, key, value, bias, is_causal, scale), order)
+    pack, unpack = hooks
     packed = []
-    leaves = [tensor.detach().requires_grad_() for tensor in (query, key, value)]
-    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda tensor: packed.append(tensor) or tensor,
-                                                                       lambda tensor: tensor):
-        out, tensors, _ = ops.kernel(*leaves, bias, is_causal, scale)
-    candidates = (*leaves, bias, out, *tensors)
+
+    def recording_pack(tensor):
+        packed.append(tensor)
+        return pack(tensor)
+
+    with torch.autograd.graph.saved_tensors_hooks(recording_pack, unpack):
+        out, tensors, scalars = ops.kernel(query, key, value, bias, is_causal, scale)
+    if out.grad_fn is None:
+        # No input requires grad: the kernel has no node, and neither will the recompute's.
+        return out, tensors, scalars, None
+    candidates = (query, key, value, bias, out, *tensors)
     order = tuple(
         next((index for index, candidate in enumerate(candidates) if candidate is tensor), None) for tensor in packed)
     if None in order or len(set(order)) != len(order):
@@ -425,8 +442,8 @@ def _native_saves(ops, query, key, value, bias, is_causal, scale):
             f"serve non-reentrant checkpointing, got {len(packed)} saved tensors of which it knows "
             f"{len(set(order) - {None})} in torch {torch.__version__}. Use reentrant checkpointing "
             f"(use_reentrant=True) with the stash on this PyTorch.")
-    _NATIVE_SAVES[ops, bias is None] = order
-    return order
+    _NATIVE_SAVES[kind] = order
+    return out, tensors, scalars, order
 
 
 def _mask_identity(mask):
@@ -479,6 +496,24 @@ class _ThreadState(threading.local):
 _state = _ThreadState()
 
 
+class _Kept:
+    """What the first pass keeps of one attention call, until the recompute's call of the same index takes it."""
+
+    __slots__ = ("ops", "output", "tensors", "scalars", "nbytes", "version", "order")
+
+    def __init__(self, ops, output, tensors, scalars, nbytes, version, order):
+        # The backend's ops; the attention output; the kernel's other saved tensors, its log-sum-exp first; its
+        # scalars; the bytes counted (output and log-sum-exp); the output's version counter when kept; the positions
+        # of the kernel node's saves (see _kernel_with_grad), None where the recompute's node runs the backward.
+        self.ops = ops
+        self.output = output
+        self.tensors = tensors
+        self.scalars = scalars
+        self.nbytes = nbytes
+        self.version = version
+        self.order = order
+
+
 class _CheckpointCall:
     """One checkpointed call of a stashed decoder layer.
 
@@ -494,8 +529,7 @@ class _CheckpointCall:
     calls = 0
     # Whether an attention module of the layer reached the stash's sdpa entry in the current pass.
     reached = False
-    # For each attention call of the first pass, until the recompute takes it: (ops, attention output, saved tensors,
-    # scalars, bytes counted, the output's version counter when kept).
+    # A _Kept for each attention call of the first pass, None once the recompute took it.
     kept = ()
     # What identifies each call's attention mask in the first pass, for the recompute to compare; None without masks:
     # (True, identity) for a mask the checkpoint holds, (False, (shape, dtype), digest) for one built in the layer.
@@ -573,7 +607,7 @@ class _CheckpointCall:
         kept = self.kept
         if self.passes > 1:
             entry = kept[index] if index < len(kept) else None
-            if entry is None or entry[0] is not ops or entry[1].dtype != query.dtype:
+            if entry is None or entry.ops is not ops or entry.output.dtype != query.dtype:
                 self._raise_unlike_forward(entry, ops, query, index, device_type, choice)
         elif ops is None:
             _ops_for(device_type, choice)
@@ -594,19 +628,21 @@ class _CheckpointCall:
                                f"alone, got a torch.func transform (grad, vjp, vmap, jacrev). Remove the stash, or "
                                f"take gradients with backward() rather than torch.func.")
         if self.passes == 1:
-            order = None
             if grad_enabled:
                 # A non-reentrant checkpoint: the kernel's own autograd node records this pass's graph and runs the
-                # backward, and the recompute's node saves what that node saves.
-                order = _native_saves(ops, query, key, value, bias, is_causal, scale)
-            out, tensors, scalars = ops.kernel(query, key, value, bias, is_causal, scale)
+                # backward, and the recompute's node saves what that node saves, in its order.
+                out, tensors, scalars, order = _kernel_with_grad(ops, query, key, value, bias, is_causal, scale)
+                # An alias for the call: the output itself would tie the call to the graph.
+                output = out.detach()
+            else:
+                out, tensors, scalars = ops.kernel(query, key, value, bias, is_causal, scale)
+                output, order = out, None
             # The output and its log-sum-exp; the other saved tensors are scalars of a few bytes.
             nbytes = out.nbytes + tensors[0].nbytes
-            # With a graph, an alias for the call: the output itself would tie the call to the graph.
-            kept.append((ops, out.detach() if grad_enabled else out, tensors, scalars, nbytes, out._version, order))
+            kept.append(_Kept(ops, output, tensors, scalars, nbytes, out._version, order))
             self.stash.counters.add(nbytes)
         else:
-            if entry[1]._version != entry[5]:
+            if entry.output._version != entry.version:
                 raise RuntimeError(f"{_FEATURE} needs the attention output of {self.stash.name} unchanged from its "
                                    f"forward to its recompute, got an in-place change of it (or of a view of it) in "
                                    f"the forward. Change a copy of the attention output, or remove the stash from "
@@ -616,19 +652,19 @@ class _CheckpointCall:
                 out = ops.replay(query, key, value, bias, entry, is_causal, scale)
             except _StopRecomputationError:
                 # A non-reentrant checkpoint stops its recompute at its last save, which may be the node's.
-                self.stash.counters.served(entry[4])
+                self.stash.counters.served(entry.nbytes)
                 raise
             except BaseException:
-                self.stash.counters.released(entry[4])
+                self.stash.counters.released(entry.nbytes)
                 raise
-            self.stash.counters.served(entry[4])
+            self.stash.counters.served(entry.nbytes)
         return out[..., :head_dim] if head_dim else out
 
     def _raise_unlike_forward(self, entry, ops, query, index, device_type, choice):
         """Raise for a recompute's attention call that differs from its forward's in dtype or backend."""
-        if entry is not None and entry[1].dtype != query.dtype:
+        if entry is not None and entry.output.dtype != query.dtype:
             raise RuntimeError(f"{_FEATURE} needs the recompute of {self.stash.name} to run attention in its "
-                               f"forward's dtype, got {entry[1].dtype} in the forward and {query.dtype} in the "
+                               f"forward's dtype, got {entry.output.dtype} in the forward and {query.dtype} in the "
                                f"recompute (attention call {index + 1}): autocast differs between the passes, as "
                                f"under a checkpoint function that does not restore it in its recompute "
                                f"(deepspeed.checkpointing.checkpoint does not). Use torch.utils.checkpoint, as "
@@ -636,7 +672,7 @@ class _CheckpointCall:
         if ops is None:
             _ops_for(device_type, choice)
         raise RuntimeError(f"{_FEATURE} needs one SDPA backend for both passes of {self.stash.name}, got "
-                           f"{entry[0].name if entry else 'none'} in the forward and {ops.name} in the recompute "
+                           f"{entry.ops.name if entry else 'none'} in the forward and {ops.name} in the recompute "
                            f"(attention call {index + 1}). Keep sdpa_kernel contexts, deterministic-algorithm "
                            f"settings and a layer's attention calls the same for a forward and its backward.")
 
@@ -694,7 +730,7 @@ class _CheckpointCall:
     def _release(self):
         for entry in self.kept:
             if entry is not None:
-                self.stash.counters.released(entry[4])
+                self.stash.counters.released(entry.nbytes)
         self.kept = ()
 
     # The checkpoint's graph was freed without the recompute taking these: their forward had no backward.
@@ -728,12 +764,14 @@ class _Counters:
 class _LayerStash:
     """The stash of one decoder layer: wraps each of its checkpointed calls in a ``_CheckpointCall``."""
 
-    def __init__(self, name, layer, config, counters):
+    def __init__(self, name, layer, model, config, counters):
         self.name = name
         self.layer = weakref.ref(layer)
         # The layer's modules at the install: only their attention calls are the layer's, not those of a model that
         # a hook inside the layer runs.
         self.modules = weakref.WeakSet(layer.modules())
+        # The model it was installed on, for the error messages.
+        self.model = weakref.ref(model)
         self.config = config
         self.counters = counters
         self.active = True
@@ -770,11 +808,17 @@ class _LayerStash:
                                f"of a layer that shares the attention module without a stash. "
                                f"Install the stash before the forward, and checkpoint the layer through Hugging "
                                f"Face's activation checkpointing.")
+        model = self.model()
+        checkpointed = [] if model is None else [
+            name for name, layer, _ in _model_attention_layers(model)[0] if layer.gradient_checkpointing
+        ]
+        stashable = (f" The attention layers checkpointed now are {', '.join(checkpointed)}: remove() the stash and "
+                     f"install it again, and num_layers counts those." if checkpointed else "")
         raise RuntimeError(f"{_FEATURE} needs Hugging Face activation checkpointing for a training forward of "
                            f"{self.name}, got no activation checkpointing on it (none enabled, every_n_layers leaves "
                            f"it out, or a layer without a stash shares its attention module). Call "
                            f"{_CHECKPOINTING_HINT}, or put the model in eval mode or "
-                           f"torch.no_grad() for forwards without a backward.")
+                           f"torch.no_grad() for forwards without a backward.{stashable}")
 
     def raise_without_attention_call(self, reached):
         """Raise for a checkpointed forward of the layer that made no attention call the stash ran; ``reached``:
@@ -1153,9 +1197,14 @@ def _check_positive_int(name, value):
         raise ValueError(f"{_FEATURE} needs a positive {name}, got {value}.")
 
 
+# Why an attention layer is left out where activation checkpointing is on for other decoder layers only.
+_NOT_CHECKPOINTED = "no activation checkpointing (every_n_layers leaves it out), so no recompute to serve"
+
+
 def _model_attention_layers(model):
     """The model's attention layers, as _attention_layers finds them, and the decoder layers left out; raises for a
-    model without any attention layer, naming why."""
+    model without any attention layer, naming why. Where activation checkpointing is on for some decoder layers only
+    (every_n_layers), the attention layers are the checkpointed ones: the others have no recompute."""
     layer_class, interface = _entry_points()
     attention_layers, others = _attention_layers(model, layer_class, interface)
     if not attention_layers:
@@ -1166,6 +1215,11 @@ def _model_attention_layers(model):
                            f"interface ({_INTERFACE}), whose sdpa entry it serves, got none in "
                            f"{type(model).__name__}: in {others[-1][0]}, {others[-1][1]}. Train this model without "
                            f"the stash.")
+    checkpointed = [layer for layer in attention_layers if getattr(layer[1], "gradient_checkpointing", False)]
+    if checkpointed and len(checkpointed) < len(attention_layers):
+        others = others + [(name, _NOT_CHECKPOINTED) for name, layer, _ in attention_layers
+                           if not getattr(layer, "gradient_checkpointing", False)]
+        attention_layers = checkpointed
     return attention_layers, others
 
 
@@ -1427,6 +1481,11 @@ class AttentionStashHandle:
         """Kept outputs released because their forward's graph was freed without a backward."""
         return self._counters.released_without_backward
 
+    def __reduce__(self):
+        # A copy or a pickle of the handle, as of a model that holds it, stashes nothing: the stash belongs to the
+        # original's layers, and the copied model is stock. One mechanism for copy.deepcopy, pickle and torch.save.
+        return AttentionStashHandle, ([], _Counters())
+
     def remove(self):
         """Uninstall. A backward of a forward that ran before the removal recomputes its attention as stock code does,
         in either checkpoint mode, and releases what the forward kept. Hugging Face's sdpa entry and the layer class's
@@ -1462,6 +1521,10 @@ def install_attention_stash(model: torch.nn.Module,
     stash. What a call keeps
     lives with its checkpoint's graph: it is released when the recompute takes it, or when the graph is freed without a
     backward.
+
+    ``num_layers`` counts attention layers from the end. Where activation checkpointing is on for some decoder layers
+    only (``every_n_layers``) when the stash is installed, it counts the checkpointed ones: the others have no
+    recompute to serve.
 
     Instead of ``num_layers``, pass ``memory_budget`` in bytes with ``micro_batch_size`` and ``sequence_length`` (and
     ``micro_batches_in_flight`` where a schedule keeps several): the stash then takes the most layers whose kept
@@ -1510,8 +1573,10 @@ def install_attention_stash(model: torch.nn.Module,
             raise ValueError(f"{_FEATURE} needs a memory_budget of at least one layer's {sizes[0][1]:,} bytes per "
                              f"micro-batch in flight x {micro_batches_in_flight}, got {memory_budget:,}.")
     if not 1 <= num_layers <= len(attention_layers):
-        raise ValueError(f"{_FEATURE} needs num_layers from 1 to the model's {len(attention_layers)} attention layers "
-                         f"(of {len(attention_layers) + len(others)} decoder layers), got {num_layers}.")
+        checkpointed = "checkpointed " if any(why == _NOT_CHECKPOINTED for _, why in others) else ""
+        raise ValueError(f"{_FEATURE} needs num_layers from 1 to the model's {len(attention_layers)} {checkpointed}"
+                         f"attention layers (of {len(attention_layers) + len(others)} decoder layers), got "
+                         f"{num_layers}.")
     chosen = attention_layers[-num_layers:]
     for name, layer, _ in chosen:
         if _class_defining(type(layer), _CHECKPOINT_FUNCTION) not in (None, layer_class):
@@ -1531,7 +1596,7 @@ def install_attention_stash(model: torch.nn.Module,
         _take_hold(layer_class, attention_functions)
         stashes = []
         for name, layer, _ in chosen:
-            stash = _LayerStash(name, layer, config, counters)
+            stash = _LayerStash(name, layer, model, config, counters)
             for module in layer.modules():
                 _STASHES[module] = stash
             stashes.append(stash)

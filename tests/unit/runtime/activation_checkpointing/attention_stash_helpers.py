@@ -168,12 +168,12 @@ def live_checkpoint_calls():
     from deepspeed.runtime.activation_checkpointing.attention_stash import _CheckpointCall
 
     gc.collect()
-    return [obj for obj in gc.get_objects() if isinstance(obj, _CheckpointCall)]
+    return [obj for obj in gc.get_objects() if type(obj) is _CheckpointCall]
 
 
 def kept_outputs():
     """The attention outputs kept now, across all stashes."""
-    return [entry[1] for call in live_checkpoint_calls() for entry in call.kept if entry is not None]
+    return [entry.output for call in live_checkpoint_calls() for entry in call.kept if entry is not None]
 
 
 def assert_stock_process():

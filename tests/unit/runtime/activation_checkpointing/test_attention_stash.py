@@ -656,7 +656,8 @@ def _left_padding_mask(batch, sequence, device):
 def _bare_call():
     """A checkpoint call object whose layer function is one attention call: each call of it is a pass."""
     counters = attention_stash._Counters()
-    stash = attention_stash._LayerStash("attention", torch.nn.Linear(1, 1), None, counters)
+    layer = torch.nn.Linear(1, 1)
+    stash = attention_stash._LayerStash("attention", layer, layer, None, counters)
     return attention_stash._CheckpointCall(stash, attention_stash._attention_of_current_call), counters
 
 

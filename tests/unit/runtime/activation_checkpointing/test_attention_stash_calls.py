@@ -12,6 +12,8 @@ graph, torch.compile, a checkpoint around the whole model. CI runs them on both 
 
 import copy
 import gc
+import io
+import pickle
 import threading
 import time
 
@@ -24,8 +26,8 @@ from deepspeed.runtime.activation_checkpointing import attention_stash
 from deepspeed.runtime.activation_checkpointing.attention_stash import install_attention_stash
 
 from attention_stash_helpers import (CPU_FORWARD, NUM_LAYERS, CountOps, assert_same_grads, assert_stock_process,
-                                     batch_ids, checkpointed, live_checkpoint_calls, mixtral_model, param_grads,
-                                     qwen3_moe_model, stashed_train_step, train_step)
+                                     batch_ids, checkpointed, live_checkpoint_calls, logged_messages, mixtral_model,
+                                     param_grads, qwen3_moe_model, stashed_train_step, train_step)
 
 
 def _counts(handle):
@@ -127,6 +129,38 @@ def test_a_copy_of_a_stashed_model_is_a_stock_model(install):
     # The original is still stashed.
     loss, grads = stashed_train_step(model, handle, ids)
     assert handle.recomputes_served == NUM_LAYERS
+    assert torch.equal(loss, expected_loss)
+    assert_same_grads(grads, expected)
+
+
+@pytest.mark.parametrize("how", ["pickle", "torch.save", "deepcopy"])
+def test_a_model_that_holds_its_handle_pickles_as_it_copies(install, how):
+    """A model that holds its handle (model.attention_stash = handle), pickled, saved whole with torch.save or
+    deep-copied: the copy is a stock model, and the copied handle stashes nothing; the original stays stashed. (Hugging
+    Face's checkpointing adds a hook that pickle cannot take, so both are checkpointed after the copy.)"""
+    ids = batch_ids()
+    expected_loss, expected = train_step(checkpointed(mixtral_model()), ids)
+    model = mixtral_model()
+    model.attention_stash = install(model, NUM_LAYERS)
+    if how == "pickle":
+        twin = pickle.loads(pickle.dumps(model))
+    elif how == "torch.save":
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        buffer.seek(0)
+        twin = torch.load(buffer, weights_only=False)
+    else:
+        twin = copy.deepcopy(model)
+    copied = twin.attention_stash
+    assert type(copied) is attention_stash.AttentionStashHandle and copied.layers == ()
+    assert _counts(copied) == (0, 0, 0, 0)
+    checkpointed(model)
+    loss, grads = train_step(checkpointed(twin), ids)
+    assert torch.equal(loss, expected_loss)
+    assert_same_grads(grads, expected)
+    copied.remove()
+    assert _counts(model.attention_stash) == (0, 0, 0, 0)
+    loss, grads = stashed_train_step(model, model.attention_stash, ids)
     assert torch.equal(loss, expected_loss)
     assert_same_grads(grads, expected)
 
@@ -257,14 +291,50 @@ def test_checkpointing_enabled_again_and_every_n_layers(install):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True}, every_n_layers=2)
     with pytest.raises(RuntimeError,
                        match="needs Hugging Face activation checkpointing for a training forward of "
-                       "model.layers.1, got no activation checkpointing on it"):
+                       "model.layers.1, got no activation checkpointing on it .* The attention layers checkpointed "
+                       "now are model.layers.0, model.layers.2: remove.. the stash and install it again, and "
+                       "num_layers counts those."):
         model(input_ids=ids, labels=ids)
     handle.remove()
-    handle = install(model, 1)
+    handle = install(model, 2)
+    assert handle.layers == ("model.layers.0", "model.layers.2")
     model.zero_grad(set_to_none=True)
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
-    assert _counts(handle) == (0, 0, 1, 0)
+    assert _counts(handle) == (0, 0, 2, 0)
+
+
+def _every_second_layer(model, use_reentrant):
+    kwargs = {"use_reentrant": use_reentrant}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, every_n_layers=2)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs, every_n_layers=2)
+    return model.train()
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non_reentrant"])
+def test_every_n_layers_with_an_even_layer_count(install, use_reentrant):
+    """every_n_layers=2 on 4 layers checkpoints layers 0 and 2 and leaves the last one without a recompute: installed
+    after checkpointing is enabled, num_layers counts the checkpointed attention layers, and the install line says
+    which layers it left out and why."""
+    model = _every_second_layer(mixtral_model(num_hidden_layers=4), use_reentrant)
+    ids = batch_ids()
+    expected_loss, expected = train_step(model, ids)
+    with pytest.raises(ValueError,
+                       match="needs num_layers from 1 to the model's 2 checkpointed attention layers "
+                       r"\(of 4 decoder layers\), got 3."):
+        install_attention_stash(model, 3)
+    assert attention_stash.attention_stash_layers_for_budget(model, 10**9, 2, 32) == 2
+    with logged_messages() as messages:
+        handle = install(model, 2)
+    assert handle.layers == ("model.layers.0", "model.layers.2")
+    assert "keeping the attention output of 2 of 2 attention layers (model.layers.0 to model.layers.2)" in messages[0]
+    assert ("Left out: 2 decoder layers with no activation checkpointing (every_n_layers leaves it out), so no "
+            "recompute to serve.") in messages[0]
+    loss, grads = stashed_train_step(model, handle, ids)
+    assert torch.equal(loss, expected_loss)
+    assert_same_grads(grads, expected)
 
 
 @pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non_reentrant"])

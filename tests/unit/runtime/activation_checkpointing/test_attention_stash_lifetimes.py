@@ -1,0 +1,134 @@
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""Nothing of the stash outlives its step, and a non-reentrant step runs no attention forward beyond the first pass.
+
+Under non-reentrant checkpointing the recompute's node saves what the first pass's own kernel node saved, in that
+node's order; the stash learns the order from the first pass's own kernel call, once per backend and mask presence in
+a process. Each test here starts from a fresh process's state (no order learned), so that learning runs in it.
+Live tensors are found as a user would look for a leak: every tensor object the garbage collector knows of, after a
+collection, whose shape has the batch's sequence length (a length no parameter has).
+"""
+
+import gc
+
+import pytest
+import torch
+
+from deepspeed.runtime.activation_checkpointing import attention_stash
+
+from attention_stash_helpers import (CPU_FORWARD, NUM_LAYERS, CountOps, assert_same_grads, batch_ids, checkpointed,
+                                     counted_step, live_checkpoint_calls, llama_model, param_grads, train_step)
+
+# No dimension of the tiny models' parameters has this size.
+SEQUENCE = 97
+
+
+@pytest.fixture(autouse=True)
+def fresh_process(monkeypatch):
+    """The stash's state in a process that has not run a non-reentrant stashed step yet."""
+    monkeypatch.setattr(attention_stash, "_NATIVE_SAVES", {})
+
+
+def _live_tensors():
+    """Shapes of the tensors alive now with a dimension of SEQUENCE and at least three dimensions (a test's own
+    [batch, sequence] ids and padding mask are left out)."""
+    gc.collect()
+    return sorted(
+        tuple(obj.shape) for obj in gc.get_objects()
+        # type() rather than isinstance(): the latter reads __class__, which some deprecated objects warn about.
+        if issubclass(type(obj), torch.Tensor) and obj.dim() >= 3 and SEQUENCE in obj.shape)
+
+
+def _inputs(masked):
+    ids = batch_ids(batch=3, sequence=SEQUENCE)
+    inputs = dict(input_ids=ids, labels=ids)
+    if masked:
+        mask = torch.ones_like(ids)
+        mask[0, :11] = 0
+        inputs.update(attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+    return inputs
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["unmasked", "padded"])
+@pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_nothing_outlives_a_step(install, use_reentrant, masked):
+    """After a step only what the handle counts is alive (nothing), after remove() and dropping the model nothing."""
+    model = checkpointed(llama_model(num_hidden_layers=2), use_reentrant=use_reentrant)
+    handle = install(model, 2)
+    inputs = _inputs(masked)
+    assert _live_tensors() == []
+    loss = model(**inputs).loss
+    layer_bytes = attention_stash.attention_stash_layer_bytes(model, 3, SEQUENCE, device="cpu")
+    assert handle.kept_bytes == 2 * layer_bytes
+    loss.backward()
+    del loss
+    assert (handle.recomputes_served, handle.num_kept, handle.kept_bytes) == (2, 0, 0)
+    assert _live_tensors() == []
+    # A second step, with the order known, leaves nothing either.
+    model(**inputs).loss.backward()
+    assert handle.recomputes_served == 4 and _live_tensors() == []
+    handle.remove()
+    del model
+    assert _live_tensors() == [] and live_checkpoint_calls() == []
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["unmasked", "padded"])
+def test_first_non_reentrant_step_runs_each_attention_forward_once(install, masked):
+    """The first non-reentrant step of a process: one attention forward kernel per layer, in the first pass, none in
+    the served recompute; the order learned places the output, the log-sum-exp, the query, key and value (and the
+    mask) that the CPU kernel's node saves, each once."""
+    model = checkpointed(llama_model(), use_reentrant=False)
+    inputs = _inputs(masked)
+    expected_loss, expected = train_step(model, inputs["input_ids"]) if not masked else (None, None)
+    handle = install(model, NUM_LAYERS)
+    model.zero_grad(set_to_none=True)
+    with CountOps() as forward:
+        loss = model(**inputs).loss
+    with CountOps() as backward:
+        loss.backward()
+    assert (forward.calls[CPU_FORWARD], backward.calls[CPU_FORWARD]) == (NUM_LAYERS, 0)
+    assert handle.recomputes_served == NUM_LAYERS
+    order = attention_stash._NATIVE_SAVES[attention_stash._CpuFlashOps, not masked]
+    # Positions in (query, key, value, mask, output, log-sum-exp).
+    assert sorted(order) == ([0, 1, 2, 3, 4, 5] if masked else [0, 1, 2, 4, 5])
+    if not masked:
+        assert torch.equal(loss.detach(), expected_loss)
+        assert_same_grads(param_grads(model), expected)
+
+
+def test_a_first_pass_whose_attention_needs_no_grad_learns_nothing(install):
+    """Attention inputs that require no grad (only the output head trained): the kernel has no node, so there is no
+    order to learn from it, and no backward reaches the layers; a later step with every parameter trained learns the
+    order and is served bitwise."""
+    model = checkpointed(llama_model(), use_reentrant=False)
+    ids = batch_ids()
+    expected_loss, expected, _ = counted_step(model, input_ids=ids, labels=ids)
+    handle = install(model, NUM_LAYERS)
+    model.requires_grad_(False).lm_head.requires_grad_(True)
+    model.disable_input_require_grads()
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert (handle.recomputes_served, handle.released_without_backward) == (0, NUM_LAYERS)
+    assert attention_stash._NATIVE_SAVES == {}
+    model.requires_grad_(True).enable_input_require_grads()
+    loss, grads, calls = counted_step(model, input_ids=ids, labels=ids)
+    assert calls[CPU_FORWARD] == 0 and handle.recomputes_served == NUM_LAYERS
+    assert list(attention_stash._NATIVE_SAVES) == [(attention_stash._CpuFlashOps, True)]
+    assert torch.equal(loss, expected_loss)
+    assert_same_grads(grads, expected)
+
+
+def test_a_first_pass_with_grad_and_no_saved_tensor_hooks(install):
+    """A checkpoint function that runs the layer with grad and never recomputes it (no saved-tensor hooks): the
+    kernel's node keeps its own saves, nothing is learned, and what the first pass kept goes with the call."""
+    model = checkpointed(llama_model(), use_reentrant=False)
+    ids = batch_ids()
+    expected_loss, expected, _ = counted_step(model, input_ids=ids, labels=ids)
+    for layer in model.model.layers:
+        layer._gradient_checkpointing_func = lambda function, *args, **kwargs: function(*args, **kwargs)
+    handle = install(model, NUM_LAYERS)
+    loss, grads, _ = counted_step(model, input_ids=ids, labels=ids)
+    assert (handle.recomputes_served, handle.released_without_backward, handle.kept_bytes) == (0, NUM_LAYERS, 0)
+    assert attention_stash._NATIVE_SAVES == {}
+    assert torch.equal(loss, expected_loss)
+    assert_same_grads(grads, expected)
