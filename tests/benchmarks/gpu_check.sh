@@ -28,6 +28,13 @@
 # Environment: OUT (default: a new temporary folder), GPU_CHECK_WHEELS (the wheel folder; default .whl, else
 # ../shared/wheels), GPU_CHECK_WORK (the venv, target folder and logs; default a temporary folder, removed at exit),
 # GPU_CHECK_BUDGET (seconds for the whole run, default 570), PYTHON (default python3).
+#
+# The Python it needs (PYTHON): on the H200, the image's own python3, with torch, transformers and pytest. The dry run
+# also needs DeepSpeed and a setuptools that builds wheels (70.1 or newer, or the wheel package): the Python of the
+# README's test environment, after the README's test command, for example
+#   PYTHON=/path/to/venv/bin/python bash tests/benchmarks/gpu_check.sh --dry-run
+# A machine's own python3 may lack them. The script checks that Python first and stops with one message naming what is
+# missing (exit status 2, no step run).
 set -uo pipefail
 
 MODE=gpu
@@ -123,6 +130,31 @@ else
         --steps 1)
     SUITE=(tests/unit/runtime/activation_checkpointing/test_attention_stash.py
         -k "replay_matches_autograd or cuda or kept_bytes_are_one_output")
+fi
+
+# --- the Python: what the steps import, checked before any of them runs --------------------------------------------
+if [[ $MODE == gpu ]]; then
+    NEEDED=(torch transformers pytest)
+else
+    NEEDED=(torch transformers deepspeed pytest setuptools)
+fi
+MISSING=$("$PY" -c '
+import importlib.util, os, sys
+# Installed packages only: not the checkout'"'"'s own deepspeed/ folder, which the working directory would give.
+sys.path = [path for path in sys.path if path not in ("", os.getcwd())]
+missing = [name for name in sys.argv[2:] if importlib.util.find_spec(name) is None]
+if sys.argv[1] == "dry-run" and "setuptools" not in missing and not (
+        importlib.util.find_spec("setuptools.command.bdist_wheel") or importlib.util.find_spec("wheel")):
+    missing.append("wheel (its setuptools builds no wheels: 70.1 or newer does)")
+print(", ".join(missing))' "$MODE" "${NEEDED[@]}" 2>&1) || MISSING="a Python that runs (${MISSING:-not found})"
+if [[ -n $MISSING ]]; then
+    MESSAGE="gpu_check.sh ($MODE) needs a Python with $(echo "${NEEDED[*]}" | sed 's/ /, /g') as PYTHON, got $PY \
+without: $MISSING. On the H200 use the image's python3; elsewhere, the Python of the README's test environment: make a \
+virtual environment, run the README's test command in it (pip install -r requirements/requirements-dev.txt && pip \
+install .), and pass PYTHON=/path/to/venv/bin/python."
+    echo "$MESSAGE" >&2
+    printf '# Attention stash: GPU check (%s): NO STEP RAN\n\n%s\n' "$MODE" "$MESSAGE" >"$OUT/RESULTS.md"
+    exit 2
 fi
 
 meta mode "$MODE"

@@ -118,3 +118,24 @@ def test_gpu_check_dry_run(tmp_path):
         "RESULTS.md", "bench.json", "bench.png", "gpu_check.log", "junit-image.xml", "junit-wheel.xml",
         "op_figures.json"
     ]
+
+
+def test_gpu_check_names_what_its_python_lacks(tmp_path):
+    """Run with a Python that lacks the packages (a machine's own python3, say), the check stops before any step with
+    one message naming what is missing and how to get it, and a report that says no step ran."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "bare")], check=True, timeout=120)
+    out = tmp_path / "out"
+    env = {
+        **os.environ, "OUT": str(out),
+        "GPU_CHECK_WORK": str(tmp_path / "work"),
+        "PYTHON": str(tmp_path / "bare" / "bin" / "python")
+    }
+    run = subprocess.run(["bash", SCRIPT, "--dry-run"], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert "[gpu_check]" not in run.stdout
+    message = run.stderr.strip()
+    assert message.startswith("gpu_check.sh (dry-run) needs a Python with torch, transformers, deepspeed, pytest, "
+                              "setuptools as PYTHON, got ")
+    assert "without: torch, transformers, deepspeed, pytest" in message
+    assert "run the README's test command in it" in message and "PYTHON=/path/to/venv/bin/python" in message
+    assert (out / "RESULTS.md").read_text() == f"# Attention stash: GPU check (dry-run): NO STEP RAN\n\n{message}\n"
