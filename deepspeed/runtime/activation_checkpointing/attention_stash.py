@@ -16,6 +16,7 @@ transformers is imported lazily, by ``install_attention_stash``.
 import inspect
 import math
 import operator
+import sys
 import threading
 import types
 import weakref
@@ -434,15 +435,22 @@ def _kernel_with_grad(ops, query, key, value, bias, is_causal, scale):
         # No input requires grad: the kernel has no node, and neither will the recompute's.
         return out, tensors, scalars, None
     candidates = (query, key, value, bias, out, *tensors)
-    order = tuple(
-        next((index for index, candidate in enumerate(candidates) if candidate is tensor), None) for tensor in packed)
-    if None in order or len(set(order)) != len(order):
+    roles = [[index for index, candidate in enumerate(candidates) if candidate is tensor] for tensor in packed]
+    # Each save takes the first of its roles not taken yet: a tensor in two roles (a key that is the value) is saved
+    # twice, and either role gives the recompute's node the same tensor.
+    order = []
+    for matches in roles:
+        order.append(next((index for index in matches if index not in order), None))
+    if None in order:
         raise RuntimeError(
             f"{_FEATURE} needs to know each tensor that the {ops.name} kernel's autograd node saves, to "
             f"serve non-reentrant checkpointing, got {len(packed)} saved tensors of which it knows "
-            f"{len(set(order) - {None})} in torch {torch.__version__}. Use reentrant checkpointing "
+            f"{len(packed) - order.count(None)} in torch {torch.__version__}. Use reentrant checkpointing "
             f"(use_reentrant=True) with the stash on this PyTorch.")
-    _NATIVE_SAVES[kind] = order
+    order = tuple(order)
+    # Where a tensor had two roles, which save was which is not known: the order serves this call only.
+    if all(len(matches) == 1 for matches in roles):
+        _NATIVE_SAVES[kind] = order
     return out, tensors, scalars, order
 
 
@@ -837,7 +845,7 @@ class _LayerStash:
                                f"got a forward in which {hold.original!r}, the function the stash serves, did not. "
                                f"Remove the stash from this layer.")
         entry = hold.attention_functions.get("sdpa")
-        if entry is not hold.entry:
+        if entry is not hold.front or hold.place.function() is not hold.entry:
             raise RuntimeError(f'{_FEATURE} needs the attention of {self.name} to reach the sdpa entry it installed '
                                f'in {_INTERFACE}, got {entry!r} in {_INTERFACE}["sdpa"], put there after the install '
                                f'without calling the entry it replaced. Register attention functions before '
@@ -866,14 +874,16 @@ _ENTRIES = weakref.WeakKeyDictionary()
 
 class _Hold:
     """What the stash changed in Hugging Face's objects, to undo: the layer class that has the checkpoint-function
-    slot, and the mapping of the attention interface whose "sdpa" entry it replaced."""
+    slot, and the place whose function the stash's entry replaced (see _entry_place)."""
 
-    def __init__(self, layer_class, attention_functions, mapping, original, entry):
+    def __init__(self, layer_class, attention_functions, place, original, entry):
         self.layer_class = layer_class
         self.attention_functions = attention_functions
-        self.mapping = mapping
+        self.place = place
         self.original = original
         self.entry = entry
+        # What the interface's "sdpa" lookup returns with the entry in place: the entry, or a wrapper in front of it.
+        self.front = None
         self.class_attribute = layer_class.__dict__.get(_CHECKPOINT_FUNCTION, _MISSING)
 
 
@@ -943,7 +953,7 @@ def _names_read(function):
     return names
 
 
-def _stashing_copy(function):
+def _stashing_copy(function, where):
     """A copy of Hugging Face's sdpa function that runs its code unchanged, but for one name: where its code reaches
     F.scaled_dot_product_attention through a module global (``torch``, ``torch.nn``, ``F`` or the function itself),
     the copy reaches the current checkpoint call's ``attention``. Grouped heads, causality, masks, cropping and output
@@ -962,10 +972,9 @@ def _stashing_copy(function):
     entries = {name: views[id(module_globals[name])] for name in names if id(module_globals.get(name)) in views}
     if not entries or _SDPA.__name__ not in names:
         raise RuntimeError(f"{_FEATURE} needs Hugging Face's sdpa attention function, which calls "
-                           f"torch.nn.functional.scaled_dot_product_attention in its own code, as "
-                           f"{_INTERFACE}[\"sdpa\"], got {function!r}, which does not (a wrapper around another "
-                           f"attention function, or another kernel). Install the stash before wrapping or replacing "
-                           f"that entry.")
+                           f"torch.nn.functional.scaled_dot_product_attention in its own code, as {where}, got "
+                           f"{function!r}, which does not (a wrapper around another attention function, or another "
+                           f"kernel). Install the stash before wrapping or replacing that entry.")
     # A snapshot of the module's globals, so that every other name resolves at dictionary speed as in the original.
     copy = types.FunctionType(code, {
         **module_globals,
@@ -975,7 +984,7 @@ def _stashing_copy(function):
     return copy
 
 
-def _stashing_entry(original):
+def _stashing_entry(original, where):
     """The function the stash puts in Hugging Face's interface as its "sdpa" entry, in front of ``original``.
 
     An attention module of a stashed layer, called inside the layer's checkpoint call, runs the stash's copy of
@@ -985,7 +994,7 @@ def _stashing_entry(original):
 
     The copy's globals are a snapshot of its module's: where a name it reads there changes later (a library's patch
     of ``repeat_kv``, ``mock.patch``), the next call makes a new copy, so that it runs what the original would."""
-    copy = _stashing_copy(original)
+    copy = _stashing_copy(original, where)
     module_globals = original.__globals__
     # The module globals the copy reads, and their values when it was made (a tuple of them; one value for one name).
     read = operator.itemgetter(*(name for name in _names_read(original) if name in module_globals))
@@ -1003,7 +1012,7 @@ def _stashing_entry(original):
                     # A global deleted since: the copy's code then fails as the original's would.
                     now = None
                 if now is not values and now != values:
-                    copy, values = _stashing_copy(original), now
+                    copy, values = _stashing_copy(original, where), now
                 return copy(module, *args, **kwargs)
             # The recompute of a forward that ran before its stash's removal: stock, as the removal promises.
             return original(module, *args, **kwargs)
@@ -1018,15 +1027,57 @@ def _stashing_entry(original):
     return stashing_sdpa
 
 
-def _sdpa_mapping(attention_functions):
-    """The mapping whose "sdpa" entry Hugging Face's lookups return: the interface's local mapping where it has one
-    there, else its library-wide one, which AttentionInterface.register writes. The stash's entry goes there, so
-    that a later registration replaces it, as it would replace the original."""
+class _Place:
+    """Where the sdpa function that Hugging Face's lookups reach is held: a key of a dictionary, whose function the
+    stash's entry replaces and the removal writes back."""
+
+    def __init__(self, dictionary, key, description):
+        self.dictionary = dictionary
+        self.key = key
+        self.description = description
+
+    def function(self):
+        return self.dictionary.get(self.key)
+
+    def put(self, function):
+        self.dictionary[self.key] = function
+
+
+def _ulysses_attention(function):
+    """The UlyssesSPAttentionHF whose wrapper ``function`` is: DeepSpeed's Ulysses sequence parallelism (ALST) puts a
+    closure around it in the interface's entry of its core implementation (register_with_transformers). None for any
+    other function."""
+    ulysses_sp = sys.modules.get("deepspeed.runtime.sequence_parallel.ulysses_sp")
+    if ulysses_sp is None:
+        return None
+    for cell in getattr(function, "__closure__", None) or ():
+        try:
+            content = cell.cell_contents
+        except ValueError:
+            continue
+        if isinstance(content, ulysses_sp.UlyssesSPAttentionHF) and "attn" in vars(content):
+            return content
+    return None
+
+
+def _entry_place(attention_functions):
+    """Where the stash's entry goes: the "sdpa" entry of the mapping that Hugging Face's lookups read (the
+    interface's local mapping where it has one there, else its library-wide one, which AttentionInterface.register
+    writes), so that a later registration replaces it as it would replace the original. Where DeepSpeed's Ulysses
+    sequence parallelism has put its wrapper there, the wrapper stays in front, and the stash's entry goes behind it,
+    in place of the core attention function the wrapper calls on the gathered sequence."""
     local = getattr(attention_functions, "_local_mapping", None)
     shared = getattr(type(attention_functions), "_global_mapping", None)
     if isinstance(local, dict) and isinstance(shared, dict) and "sdpa" not in local:
-        return shared
-    return local if isinstance(local, dict) else attention_functions
+        mapping = shared
+    else:
+        mapping = local if isinstance(local, dict) else attention_functions
+    ulysses = _ulysses_attention(mapping["sdpa"])
+    if ulysses is not None:
+        return _Place(
+            vars(ulysses), "attn", f"the core attention function of DeepSpeed's Ulysses sequence parallelism "
+            f"(UlyssesSPAttentionHF.attn, behind {_INTERFACE}[\"sdpa\"])")
+    return _Place(mapping, "sdpa", f"{_INTERFACE}[\"sdpa\"]")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -1215,16 +1266,45 @@ def _model_attention_layers(model):
                            f"interface ({_INTERFACE}), whose sdpa entry it serves, got none in "
                            f"{type(model).__name__}: in {others[-1][0]}, {others[-1][1]}. Train this model without "
                            f"the stash.")
-    checkpointed = [layer for layer in attention_layers if getattr(layer[1], "gradient_checkpointing", False)]
-    if checkpointed and len(checkpointed) < len(attention_layers):
-        others = others + [(name, _NOT_CHECKPOINTED) for name, layer, _ in attention_layers
-                           if not getattr(layer, "gradient_checkpointing", False)]
+    enabled = [name for name, layer in _decoder_layers(model, layer_class) if layer.gradient_checkpointing]
+    checkpointed = [layer for layer in attention_layers if layer[1].gradient_checkpointing]
+    if enabled and len(checkpointed) < len(attention_layers):
+        if not checkpointed:
+            raise RuntimeError(f"{_FEATURE} needs activation checkpointing on attention layers, whose recompute it "
+                               f"serves, got it on {', '.join(enabled)} only, none of which has softmax attention "
+                               f"(every_n_layers leaves the {len(attention_layers)} attention layers out). Choose "
+                               f"every_n_layers so that it checkpoints attention layers, or train without the stash.")
+        others = others + [(name, _NOT_CHECKPOINTED)
+                           for name, layer, _ in attention_layers if not layer.gradient_checkpointing]
         attention_layers = checkpointed
     return attention_layers, others
 
 
-def _layer_bytes(attention_layers, micro_batch_size, sequence_length, dtype, device):
-    """Bytes each attention layer would keep per micro-batch in flight, last layer first, with the layer names."""
+def _sequence_parallel_ranks(sequence_parallel_size):
+    """The ranks over which Ulysses sequence parallelism splits each attention call's heads, and how that is known:
+    (the size given, "given"), else (the size of the DeepSpeed ALST registration that Hugging Face's "sdpa" lookup
+    reaches, "found registered"), else (1, None)."""
+    if sequence_parallel_size is not None:
+        _check_positive_int("sequence_parallel_size", sequence_parallel_size)
+        return sequence_parallel_size, "given"
+    _, attention_functions = _entry_points()
+    ulysses = _ulysses_attention(attention_functions.get("sdpa"))
+    return (ulysses.world_size, "found registered") if ulysses is not None else (1, None)
+
+
+def _rank_heads(heads, key_heads, ranks):
+    """The query and key/value heads one rank's attention call gets under Ulysses sequence parallelism over ``ranks``:
+    its share of the query heads; of the key/value heads, its share, or one where there are fewer than ranks (ALST
+    replicates them). Raises for head counts it cannot split, as ALST does."""
+    if heads % ranks:
+        raise ValueError(f"{_FEATURE} needs query heads divisible by the sequence-parallel size to plan them, got "
+                         f"{heads} heads and {ranks} ranks.")
+    return heads // ranks, max(1, key_heads // ranks)
+
+
+def _layer_bytes(attention_layers, micro_batch_size, sequence_length, dtype, device, ranks=1):
+    """Bytes each attention layer would keep per micro-batch in flight, last layer first, with the layer names; under
+    Ulysses sequence parallelism over ``ranks``, one rank's: its share of the heads over the whole sequence."""
     _check_positive_int("micro_batch_size", micro_batch_size)
     _check_positive_int("sequence_length", sequence_length)
     if device is None:
@@ -1234,8 +1314,9 @@ def _layer_bytes(attention_layers, micro_batch_size, sequence_length, dtype, dev
     sizes, backends = [], {}
     for name, _, modules in reversed(attention_layers):
         nbytes = 0
-        for geometry in _attention_calls(name, modules):
-            heads, key_heads, head_dim = geometry
+        for heads, key_heads, head_dim in _attention_calls(name, modules):
+            heads, key_heads = _rank_heads(heads, key_heads, ranks)
+            geometry = (heads, key_heads, head_dim)
             if geometry not in backends:
                 # The backend PyTorch picks for these shapes in training decides the layout of what is kept.
                 query = torch.empty(1,
@@ -1258,7 +1339,8 @@ def attention_stash_layer_bytes(model: torch.nn.Module,
                                 micro_batch_size: int,
                                 sequence_length: int,
                                 dtype: torch.dtype = None,
-                                device=None) -> int:
+                                device=None,
+                                sequence_parallel_size: int = None) -> int:
     """Bytes one stashed attention layer keeps per micro-batch in flight: one attention output plus its log-sum-exp
     per attention call, for the model's last attention layer.
 
@@ -1267,10 +1349,16 @@ def attention_stash_layer_bytes(model: torch.nn.Module,
     log-sum-exp in FP32, padded where the kernel pads it. Per-kernel scalars of a few bytes are not counted. Raises,
     like the stash itself, when PyTorch would pick a backend the stash cannot replay. For Qwen3-30B-A3B (32 query
     heads, head dimension 128) at micro-batch 4 and sequence 4096 in bfloat16 this is 136 MB.
+
+    Under DeepSpeed's Ulysses sequence parallelism (ALST) each rank's attention runs its share of the heads over the
+    whole sequence, so the figure is one rank's, with ``sequence_length`` the whole sequence (the shards' lengths
+    summed). The number of ranks is ``sequence_parallel_size`` where given, else that of the ALST registration
+    Hugging Face's "sdpa" entry reaches now (``UlyssesSPAttentionHF.register_with_transformers``), else 1.
     """
     attention_layers, _ = _model_attention_layers(model)
-    return _layer_bytes(attention_layers, micro_batch_size, sequence_length, dtype or _model_dtype(model),
-                        device)[0][1]
+    ranks, _ = _sequence_parallel_ranks(sequence_parallel_size)
+    return _layer_bytes(attention_layers, micro_batch_size, sequence_length, dtype or _model_dtype(model), device,
+                        ranks)[0][1]
 
 
 def attention_stash_layers_for_budget(model: torch.nn.Module,
@@ -1279,14 +1367,18 @@ def attention_stash_layers_for_budget(model: torch.nn.Module,
                                       sequence_length: int,
                                       micro_batches_in_flight: int = 1,
                                       dtype: torch.dtype = None,
-                                      device=None) -> int:
+                                      device=None,
+                                      sequence_parallel_size: int = None) -> int:
     """The largest ``num_layers`` whose stash fits ``memory_budget`` bytes; 0 when not even one layer fits.
 
     Each stashed layer keeps ``attention_stash_layer_bytes`` per micro-batch in flight: one, unless a schedule runs
-    several forwards before their backwards (pipeline schedules, or accumulation that does).
+    several forwards before their backwards (pipeline schedules, or accumulation that does). Under Ulysses sequence
+    parallelism the budget and the bytes are one rank's, as ``attention_stash_layer_bytes`` says.
     """
     attention_layers, _ = _model_attention_layers(model)
-    sizes = _layer_bytes(attention_layers, micro_batch_size, sequence_length, dtype or _model_dtype(model), device)
+    ranks, _ = _sequence_parallel_ranks(sequence_parallel_size)
+    sizes = _layer_bytes(attention_layers, micro_batch_size, sequence_length, dtype or _model_dtype(model), device,
+                         ranks)
     return _fitting_layers(sizes, memory_budget, micro_batches_in_flight)
 
 
@@ -1358,19 +1450,20 @@ def _take_hold(layer_class, attention_functions):
     """Put the checkpoint-function slot and the stash's sdpa entry in place, once for all stashes. Under ``_LOCK``."""
     global _held
     if _held is None:
-        mapping = _sdpa_mapping(attention_functions)
-        current = mapping["sdpa"]
+        place = _entry_place(attention_functions)
+        current = place.function()
         # The entry of an earlier install that a library wrapped (and may have written back, unwrapping) serves again:
         # it is what the lookups reach.
         earlier = _earlier_entry(current)
         if earlier is not None:
-            hold = _Hold(layer_class, attention_functions, mapping, _ENTRIES[earlier], earlier)
+            hold = _Hold(layer_class, attention_functions, place, _ENTRIES[earlier], earlier)
         else:
             # The entry first: it raises for an original it cannot serve, before anything is changed.
-            hold = _Hold(layer_class, attention_functions, mapping, current, _stashing_entry(current))
+            hold = _Hold(layer_class, attention_functions, place, current, _stashing_entry(current, place.description))
         setattr(layer_class, _CHECKPOINT_FUNCTION, _SLOT)
         if current is hold.original:
-            mapping["sdpa"] = hold.entry
+            place.put(hold.entry)
+        hold.front = attention_functions.get("sdpa")
         _held = hold
 
 
@@ -1382,8 +1475,8 @@ def _let_go():
     if hold is None or any(stash.active and stash.layer() is not None for stash in list(_STASHES.values())):
         return
     _held = None
-    if hold.mapping.get("sdpa") is hold.entry:
-        hold.mapping["sdpa"] = hold.original
+    if hold.place.function() is hold.entry:
+        hold.place.put(hold.original)
     if hold.layer_class.__dict__.get(_CHECKPOINT_FUNCTION) is _SLOT:
         if hold.class_attribute is _MISSING:
             delattr(hold.layer_class, _CHECKPOINT_FUNCTION)
@@ -1402,21 +1495,26 @@ def _let_go_after_collection():
             _LOCK.release()
 
 
-def _install_message(model, chosen, attention_layers, others, sizes, micro_batch_size, sequence_length):
+def _install_message(model, chosen, attention_layers, others, sizes, micro_batch_size, sequence_length, ranks):
     """The install's log line: what is stashed, at what cost, what is left out and why, in which checkpoint mode.
-    It never raises: where the planner cannot tell the cost, it says so."""
+    It never raises: where the planner cannot tell the cost, it says so. ``ranks``: _sequence_parallel_ranks'."""
     dtype = _model_dtype(model)
+    count, how = ranks
+    per_rank = (f" on each rank of Ulysses sequence parallelism over {count} ranks ({how}): its share of the heads "
+                f"over the whole sequence" if count > 1 else "")
     if sizes is not None:
         total = sum(nbytes for _, nbytes in sizes[:len(chosen)])
-        cost = (f"{total:,} bytes per micro-batch in flight (micro-batch {micro_batch_size}, sequence "
+        cost = (f"{total:,} bytes per micro-batch in flight{per_rank} (micro-batch {micro_batch_size}, sequence "
                 f"{sequence_length})")
     else:
         try:
             calls = [call for name, _, modules in chosen for call in _attention_calls(name, modules)]
-            per_token = sum(heads * (head_dim * dtype.itemsize + 4) for heads, _, head_dim in calls)
-            cost = (f"{per_token:,} bytes per token of each micro-batch in flight in {dtype} (give micro_batch_size "
-                    f"and sequence_length for the exact figure)")
-        except RuntimeError:
+            per_token = sum(
+                _rank_heads(heads, key_heads, count)[0] * (head_dim * dtype.itemsize + 4)
+                for heads, key_heads, head_dim in calls)
+            cost = (f"{per_token:,} bytes per token of each micro-batch in flight in {dtype}{per_rank} (give "
+                    f"micro_batch_size and sequence_length for the exact figure)")
+        except (RuntimeError, ValueError):
             cost = "a cost the planner cannot tell for these attention modules"
     message = (f"{_FEATURE}: keeping the attention output of {len(chosen)} of {len(attention_layers)} attention "
                f"layers ({chosen[0][0]} to {chosen[-1][0]}) for their recompute: {cost}; "
@@ -1426,7 +1524,7 @@ def _install_message(model, chosen, attention_layers, others, sizes, micro_batch
         for _, why in others:
             reasons[why] = reasons.get(why, 0) + 1
         message += " Left out: " + "; ".join(
-            f"{count} decoder layers with {why}" if why.startswith("no ") else f"{count} decoder layers where {why}"
+            f"{count} decoder layer{'s' * (count > 1)} {'with' if why.startswith('no ') else 'where'} {why}"
             for why, count in reasons.items())
         message += "."
     return message
@@ -1483,7 +1581,8 @@ class AttentionStashHandle:
 
     def __reduce__(self):
         # A copy or a pickle of the handle, as of a model that holds it, stashes nothing: the stash belongs to the
-        # original's layers, and the copied model is stock. One mechanism for copy.deepcopy, pickle and torch.save.
+        # original's layers, and the copied model is stock. One mechanism for copy.copy, copy.deepcopy, pickle and
+        # torch.save.
         return AttentionStashHandle, ([], _Counters())
 
     def remove(self):
@@ -1507,7 +1606,8 @@ def install_attention_stash(model: torch.nn.Module,
                             memory_budget: int = None,
                             micro_batch_size: int = None,
                             sequence_length: int = None,
-                            micro_batches_in_flight: int = 1) -> AttentionStashHandle:
+                            micro_batches_in_flight: int = 1,
+                            sequence_parallel_size: int = None) -> AttentionStashHandle:
     """Keep the attention output of the last ``num_layers`` decoder layers for their checkpoint recompute.
 
     ``model`` is a Hugging Face model loaded with ``attn_implementation="sdpa"`` and trained with per-layer activation
@@ -1530,6 +1630,12 @@ def install_attention_stash(model: torch.nn.Module,
     ``micro_batches_in_flight`` where a schedule keeps several): the stash then takes the most layers whose kept
     outputs fit, as ``attention_stash_layers_for_budget`` counts them. Given the batch shape with ``num_layers`` too,
     the install log line states the exact cost.
+
+    Under DeepSpeed's Ulysses sequence parallelism (ALST, ``UlyssesSPAttentionHF.register_with_transformers``),
+    registered before or after the install, the stash serves the core attention each rank runs on the whole
+    sequence and its share of the heads. Costs are then one rank's, with ``sequence_length`` the whole sequence: the
+    number of ranks is ``sequence_parallel_size`` where given, else that of the registration found at the install;
+    give it where ALST is registered after the install.
 
     Forwards without a backward (``torch.no_grad()``, eval mode, generation) run stock sdpa and keep nothing. What the
     stash cannot serve raises instead of falling back: attention dropout, a training forward outside a checkpoint or
@@ -1562,11 +1668,12 @@ def install_attention_stash(model: torch.nn.Module,
                            f'attn_implementation="sdpa"), and pass the model itself (engine.module of a DeepSpeed '
                            f'engine).')
     attention_layers, others = _model_attention_layers(model)
+    ranks = _sequence_parallel_ranks(sequence_parallel_size)
     sizes = None
     if micro_batch_size is not None or sequence_length is not None:
         if micro_batch_size is None or sequence_length is None:
             raise TypeError(f"{_FEATURE} needs both micro_batch_size and sequence_length, or neither, got one.")
-        sizes = _layer_bytes(attention_layers, micro_batch_size, sequence_length, _model_dtype(model), None)
+        sizes = _layer_bytes(attention_layers, micro_batch_size, sequence_length, _model_dtype(model), None, ranks[0])
     if memory_budget is not None:
         num_layers = _fitting_layers(sizes, memory_budget, micro_batches_in_flight)
         if num_layers == 0:
@@ -1584,7 +1691,8 @@ def install_attention_stash(model: torch.nn.Module,
                                f"GradientCheckpointingLayer does, got a class attribute {_CHECKPOINT_FUNCTION} on "
                                f"{type(layer).__name__}. Remove that attribute from the class.")
     _check_unshared(model, layer_class, chosen)
-    message = _install_message(model, chosen, attention_layers, others, sizes, micro_batch_size, sequence_length)
+    message = _install_message(model, chosen, attention_layers, others, sizes, micro_batch_size, sequence_length,
+                               ranks)
 
     counters = _Counters()
     with _LOCK:

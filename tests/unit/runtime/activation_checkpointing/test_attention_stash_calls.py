@@ -171,9 +171,9 @@ def test_install_and_remove_from_many_threads(monkeypatch):
     first install's hold widens the window in which an unguarded second install would save the wrapper as stock."""
     copy_of_sdpa = attention_stash._stashing_copy
 
-    def slow_copy(function):
+    def slow_copy(function, where):
         time.sleep(0.05)
-        return copy_of_sdpa(function)
+        return copy_of_sdpa(function, where)
 
     monkeypatch.setattr(attention_stash, "_stashing_copy", slow_copy)
     threads, rounds = 6, 3

@@ -199,3 +199,39 @@ def test_a_mask_built_in_the_layer_that_differs_in_the_recompute_is_refused(inst
         loss.backward()
     del loss
     assert (handle.num_kept, handle.recomputes_served) == (0, 0)
+
+
+def _every_n_layers(model, every_n_layers):
+    kwargs = {"use_reentrant": True}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, every_n_layers=every_n_layers)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs, every_n_layers=every_n_layers)
+    return model.train()
+
+
+def test_hybrid_with_every_n_layers(install):
+    """every_n_layers on a hybrid: num_layers counts its checkpointed attention layers; where checkpointing leaves
+    every attention layer out, the install and the planner refuse, naming the layers it is on."""
+    model = _every_n_layers(family_model("jamba"), 3)  # layers 0 and 3: attention layer 3 is checkpointed
+    inputs = _inputs(model)
+    expected_loss, expected, _ = counted_step(model, **inputs)
+    with logged_messages() as messages:
+        handle = install(model, 1)
+    assert handle.layers == ("model.layers.3", )
+    assert ("Left out: 2 decoder layers with no softmax attention (linear attention, a state-space or convolution "
+            "mixer); 1 decoder layer with no activation checkpointing (every_n_layers leaves it out)") in messages[0]
+    loss, grads, calls = counted_step(model, **inputs)
+    assert calls[CPU_FORWARD] == 0 and handle.recomputes_served == 1
+    assert torch.equal(loss, expected_loss)
+    assert_same_grads(grads, expected)
+    handle.remove()
+
+    model = _every_n_layers(family_model("qwen3_next"), 3)  # layers 0 and 3, both linear attention
+    message = ("needs activation checkpointing on attention layers, whose recompute it serves, got it on "
+               "model.layers.0, model.layers.3 only, none of which has softmax attention")
+    with pytest.raises(RuntimeError, match=message):
+        install_attention_stash(model, 1)
+    with pytest.raises(RuntimeError, match=message):
+        attention_stash_layer_bytes(model, 2, 16, device="cpu")
+    assert_stock_process()

@@ -14,6 +14,8 @@ import gc
 
 import pytest
 import torch
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.llama.modeling_llama import LlamaAttention, apply_rotary_pos_emb
 
 from deepspeed.runtime.activation_checkpointing import attention_stash
 
@@ -132,3 +134,49 @@ def test_a_first_pass_with_grad_and_no_saved_tensor_hooks(install):
     assert attention_stash._NATIVE_SAVES == {}
     assert torch.equal(loss, expected_loss)
     assert_same_grads(grads, expected)
+
+
+class _KeyIsValueAttention(LlamaAttention):
+    """An attention module that passes one tensor as both the key and the value."""
+
+    def forward(self, hidden_states, position_embeddings, attention_mask=None, **kwargs):
+        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        query = self.q_proj(hidden_states).view(shape).transpose(1, 2)
+        key = self.k_proj(hidden_states).view(shape).transpose(1, 2)
+        query, key = apply_rotary_pos_emb(query, key, *position_embeddings)
+        output, weights = ALL_ATTENTION_FUNCTIONS["sdpa"](self,
+                                                          query,
+                                                          key,
+                                                          key,
+                                                          attention_mask,
+                                                          dropout=0.0,
+                                                          scaling=self.scaling,
+                                                          **kwargs)
+        return self.o_proj(output.reshape(*hidden_states.shape[:-1], -1).contiguous()), weights
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["unmasked", "padded"])
+def test_a_tensor_in_two_roles_is_served_and_teaches_no_order(install, masked):
+    """A key that is the value, in the first non-reentrant step of a process: the kernel's node saves that tensor
+    twice, and either save may be the key's. The call is served bitwise, and what it saw is not kept as the order,
+    which a model with distinct keys and values then learns from its own call."""
+    model = checkpointed(llama_model(num_key_value_heads=4), use_reentrant=False)
+    for layer in model.model.layers:
+        layer.self_attn.__class__ = _KeyIsValueAttention
+    inputs = _inputs(masked)
+    expected_loss, expected, _ = counted_step(model, **inputs)
+    handle = install(model, NUM_LAYERS)
+    loss, grads, calls = counted_step(model, **inputs)
+    assert calls[CPU_FORWARD] == 0 and handle.recomputes_served == NUM_LAYERS
+    assert torch.equal(loss, expected_loss)
+    assert_same_grads(grads, expected)
+    assert attention_stash._NATIVE_SAVES == {}
+    handle.remove()
+    model = checkpointed(llama_model(num_key_value_heads=4), use_reentrant=False)
+    expected_loss, expected, _ = counted_step(model, **inputs)
+    handle = install(model, NUM_LAYERS)
+    loss, grads, calls = counted_step(model, **inputs)
+    assert calls[CPU_FORWARD] == 0 and handle.recomputes_served == NUM_LAYERS
+    assert torch.equal(loss, expected_loss)
+    assert_same_grads(grads, expected)
+    assert list(attention_stash._NATIVE_SAVES) == [(attention_stash._CpuFlashOps, not masked)]

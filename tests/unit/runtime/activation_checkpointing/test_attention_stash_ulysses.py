@@ -1,0 +1,103 @@
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""The stash under DeepSpeed's Ulysses sequence parallelism (ALST) on two ranks over gloo, on CPU.
+
+ALST puts a wrapper in Hugging Face's "sdpa" entry that all-to-alls query, key and value to the whole sequence and a
+rank's share of the heads, calls the core attention function it captured, and all-to-alls the output back. The stash
+serves that core call in either order: installed first, its entry is what ALST captures; installed after, it goes
+behind ALST's wrapper, in place of the captured function. attention_stash_ulysses_ranks.py runs every case on both
+ranks; each is bitwise against the same setup without the stash, every recompute counted, and the bytes kept are one
+rank's as the planner counts them. CI runs it on both checkpoint layouts of transformers.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from attention_stash_helpers import NUM_LAYERS, free_port
+
+SEQUENCES = (16, 24)
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("ulysses")
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "attention_stash_ulysses_ranks.py")
+    environment = {
+        name: value
+        for name, value in os.environ.items()
+        if name not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    }
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+        free_port(), script,
+        str(folder)
+    ]
+    result = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    found = [json.loads((folder / f"rank{rank}.json").read_text()) for rank in range(2)]
+    assert sorted(report["rank"] for report in found) == [0, 1]
+    return found
+
+
+@pytest.mark.parametrize("mode", ["reentrant", "non_reentrant"])
+@pytest.mark.parametrize("order", ["stash_first", "alst_first"])
+def test_both_install_orders_are_served_bitwise(reports, order, mode):
+    """Two steps of different sequence lengths on each rank's shard: bitwise equal to ALST without the stash, every
+    layer served, nothing kept after the step, and ALST's own behaviour back after remove()."""
+    for report in reports:
+        case = report[f"{order}_{mode}"]
+        assert case["bitwise"] == [True, True], report["rank"]
+        assert case["served"] == 2 * NUM_LAYERS
+        assert case["kept_after_backward"] == [0, 0]
+        assert case["removed_bitwise"] == [True, True]
+
+
+@pytest.mark.parametrize("mode", ["reentrant", "non_reentrant"])
+@pytest.mark.parametrize("order", ["stash_first", "alst_first"])
+def test_the_planner_counts_one_ranks_bytes(reports, order, mode):
+    """Each rank keeps its share of the heads (2 of 4) over the whole sequence: what the planner counts with ALST's
+    registration found or its size given, half of what the whole heads would keep; the budget that fits what was
+    kept fits every layer; the install line says it is one rank's figure and how the ranks are known."""
+    for report in reports:
+        case = report[f"{order}_{mode}"]
+        # 3 layers x micro-batch 2 x 2 heads x sequence x (16 x 4 bytes of output + 4 of log-sum-exp).
+        expected = [NUM_LAYERS * 2 * 2 * sequence * (16 * 4 + 4) for sequence in SEQUENCES]
+        assert case["kept_after_forward"] == expected
+        assert case["planned_found"] == expected and case["planned_given"] == expected
+        assert case["planned_whole"] == [2 * nbytes for nbytes in expected]
+        assert case["layers_for_budget"] == NUM_LAYERS
+        if order == "stash_first":
+            assert ("bytes per token of each micro-batch in flight in torch.float32 on each rank of Ulysses "
+                    "sequence parallelism over 2 ranks (given): its share of the heads over the whole sequence"
+                    ) in case["install_line"]
+        else:
+            assert (f"{expected[0]:,} bytes per micro-batch in flight on each rank of Ulysses sequence parallelism "
+                    f"over 2 ranks (found registered): its share of the heads over the whole sequence (micro-batch 2, "
+                    f"sequence 16)") in case["install_line"]
+
+
+@pytest.mark.parametrize("setup",
+                         ["tiled_mlp", "data_loader_adapter", "hidden_states_offload", "host_offloaded_checkpoint"])
+def test_the_rest_of_an_alst_setup_composes(reports, setup):
+    """DeepSpeed's TiledMLP in every layer, batches from UlyssesSPDataLoaderAdapter, CheckpointHiddenStatesOffload,
+    and a checkpoint that keeps each layer's input on the host: bitwise against the same setup without the stash,
+    every layer served, nothing kept after the step."""
+    for report in reports:
+        assert report[setup] == {"served": NUM_LAYERS, "kept": 0, "bitwise": True}, report["rank"]
+
+
+def test_a_core_function_the_stash_cannot_serve_is_refused(reports):
+    """ALST around a core function that never calls F.scaled_dot_product_attention: the install raises naming it and
+    where ALST holds it, and leaves ALST's wrapper in place and nothing of the stash installed."""
+    for report in reports:
+        assert report["refused_core"].startswith(
+            "attention stash needs Hugging Face's sdpa attention function, which calls "
+            "torch.nn.functional.scaled_dot_product_attention in its own code, as the core attention function of "
+            "DeepSpeed's Ulysses sequence parallelism (UlyssesSPAttentionHF.attn, behind "
+            "ALL_ATTENTION_FUNCTIONS[\"sdpa\"]), got <function refused_core.<locals>.other_kernel")
+        assert report["refused_core_left_alone"]
