@@ -74,14 +74,58 @@ PRESETS = {
          vocab=32768,
          warmup=2,
          steps=6),
+    # Llama-8B's attention (32 query heads, 8 key/value heads, head dim 128, hidden 4096) in two dense layers, for
+    # long sequences on one GPU: gpu_check.sh sweeps it over 8k, 16k and 32k tokens.
+    "llama-8b-long":
+    dict(device="cuda",
+         dtype="bfloat16",
+         model="llama",
+         layers=2,
+         sequence=8192,
+         micro_batch=1,
+         hidden=4096,
+         heads=32,
+         kv_heads=8,
+         head_dim=128,
+         intermediate=14336,
+         experts=1,
+         top_k=1,
+         moe_intermediate=1,
+         vocab=32768,
+         warmup=1,
+         steps=3),
+    # The same model at tiny shapes on CPU: the GPU check's dry run of its long-sequence leg.
+    "llama-long-cpu":
+    dict(device="cpu",
+         dtype="float32",
+         model="llama",
+         layers=2,
+         sequence=64,
+         micro_batch=1,
+         hidden=64,
+         heads=4,
+         kv_heads=2,
+         head_dim=16,
+         intermediate=128,
+         experts=1,
+         top_k=1,
+         moe_intermediate=1,
+         vocab=128,
+         warmup=1,
+         steps=1),
 }
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
-    for name in ("layers", "sequence", "micro_batch", "warmup", "steps", "experts"):
+    for name in ("layers", "micro_batch", "warmup", "steps", "experts"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, help="overrides the preset")
+    parser.add_argument("--sequence",
+                        type=_lengths,
+                        metavar="N[,N...]",
+                        help="overrides the preset; several lengths, comma-separated, sweep them: plain recompute "
+                        "against the stash on every attention layer at each length")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="overrides the preset")
     parser.add_argument("--device", choices=["cpu", "cuda"], help="overrides the preset; must be DeepSpeed's")
     parser.add_argument("--autoep", action="store_true", help="AutoEP (autoep_size 1); needs transformers <= 5.22")
@@ -95,20 +139,45 @@ def parse_args(argv=None):
     parser.add_argument("--no-sac",
                         action="store_true",
                         help="skip the selective activation checkpointing arm and its non-reentrant control")
+    parser.add_argument("--sequence-parallel",
+                        action="store_true",
+                        help="under torchrun with N ranks: DeepSpeed's Ulysses sequence parallelism (ALST) over them, "
+                        "each rank training 1/N of each sequence; sweeps --sequence (plain against the stash)")
     parser.add_argument("--json", metavar="PATH", help="write the numbers as JSON")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG of step time and peak memory (needs matplotlib)")
     args = parser.parse_args(argv)
     settings = dict(PRESETS[args.preset])
-    for name in ("layers", "sequence", "micro_batch", "warmup", "steps", "experts", "dtype", "device"):
+    for name in ("layers", "micro_batch", "warmup", "steps", "experts", "dtype", "device"):
         if getattr(args, name) is not None:
             settings[name] = getattr(args, name)
+    settings["sequences"] = args.sequence or [settings["sequence"]]
+    settings["sequence"] = settings["sequences"][0]
     settings["top_k"] = min(settings["top_k"], settings["experts"])
     if attention_layers(settings) < 2 or settings["steps"] < 1 or settings["warmup"] < 1:
         parser.error("needs at least 2 attention layers, 1 warm-up step and 1 timed step")
     if not 0.0 <= args.pad_fraction < 1.0:
         parser.error("needs --pad-fraction from 0 up to, not including, 1")
     settings["pad_fraction"] = args.pad_fraction
+    settings["sequence_parallel"] = int(os.environ.get("WORLD_SIZE", "1")) if args.sequence_parallel else 1
+    if args.sequence_parallel:
+        if settings["sequence_parallel"] < 2:
+            parser.error("--sequence-parallel needs 2 or more ranks: start it with torchrun --nproc_per_node N")
+        if args.pad_fraction or args.autoep:
+            parser.error("--sequence-parallel takes no --pad-fraction (ALST drops masks) and no --autoep")
+        if any(sequence % settings["sequence_parallel"] for sequence in settings["sequences"]):
+            parser.error(f"--sequence-parallel needs sequences divisible by the {settings['sequence_parallel']} ranks")
     return args, settings
+
+
+def _lengths(text):
+    """A comma-separated list of sequence lengths, each positive."""
+    try:
+        lengths = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"needs whole numbers separated by commas, got {text!r}") from None
+    if not lengths or min(lengths) < 1:
+        raise argparse.ArgumentTypeError(f"needs positive lengths, got {text!r}")
+    return lengths
 
 
 def _init_deepspeed(device):
@@ -174,6 +243,9 @@ def build_model(settings):
                                               layer_types=[
                                                   pattern[index % len(pattern)] for index in range(settings["layers"])
                                               ])
+    elif settings.get("model") == "llama":
+        model_class = transformers.LlamaForCausalLM
+        config = transformers.LlamaConfig(**{**shared, "intermediate_size": settings["intermediate"]})
     else:
         model_class, config = transformers.Qwen3MoeForCausalLM, transformers.Qwen3MoeConfig(**shared)
     torch.manual_seed(0)
@@ -291,7 +363,7 @@ def attention_forward_ms(settings, padding=None, repeats=7):
 
     With ``padding`` (a batch's attention_mask), as Hugging Face calls it for a padded batch: a boolean causal mask
     that also masks the padded keys, and key/value heads repeated to the query heads. Returns the median time in
-    milliseconds and the SDPA backend PyTorch chose, which the stash replays.
+    milliseconds, the SDPA backend PyTorch chose, which the stash replays, and the quartiles of the times.
     """
     device, dtype = settings["device"], getattr(torch, settings["dtype"])
     generator = torch.Generator(device=device).manual_seed(0)
@@ -324,7 +396,7 @@ def attention_forward_ms(settings, padding=None, repeats=7):
         torch.nn.functional.scaled_dot_product_attention(query, key, value, **arguments)
         _synchronize(device)
         times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times[1:]), backend
+    return statistics.median(times[1:]), backend, _quartiles(times[1:])
 
 
 def make_batches(settings, count):
@@ -342,6 +414,33 @@ def make_batches(settings, count):
             batch.update(attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
         batches.append({name: tensor.to(settings["device"]) for name, tensor in batch.items()})
     return batches
+
+
+def forward_loss(engine, batch):
+    """The training loss of a batch: Hugging Face's, or under sequence parallelism the rank's shard's, from labels
+    shifted over the whole sequence, as ALST recipes compute it."""
+    if "shift_labels" not in batch:
+        return engine(**batch).loss
+    logits = engine(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+    return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), batch["shift_labels"].flatten())
+
+
+def shard_batches(batches, rank, ranks):
+    """Each batch's share of one rank of Ulysses sequence parallelism: its slice of the sequence, with the positions
+    and the labels shifted over the whole sequence."""
+    shards = []
+    for batch in batches:
+        ids = batch["input_ids"]
+        length = ids.shape[1] // ranks
+        positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+        shifted = torch.nn.functional.pad(batch["labels"], (0, 1), value=-100)[:, 1:]
+        piece = slice(rank * length, (rank + 1) * length)
+        shards.append({
+            "input_ids": ids[:, piece],
+            "position_ids": positions[:, piece],
+            "shift_labels": shifted[:, piece]
+        })
+    return shards
 
 
 def run_arm(engine, initial, batches, settings, arm):
@@ -364,7 +463,7 @@ def run_arm(engine, initial, batches, settings, arm):
             _synchronize(device)
             start = time.perf_counter()
             with rss, live:
-                loss = engine(**batch).loss
+                loss = forward_loss(engine, batch)
                 engine.backward(loss)
                 engine.step()
             _synchronize(device)
@@ -722,6 +821,216 @@ def plot(path, settings, by_arm):
     return figure
 
 
+def make_engine(deepspeed, settings, config, mpu=None):
+    """The model in a DeepSpeed engine, and its weights and optimizer state to start every run from."""
+    model = build_model(settings)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config, mpu=mpu)
+    initial = {
+        "module": {
+            name: tensor.detach().clone()
+            for name, tensor in engine.module.state_dict().items()
+        },
+        "optimizer": copy.deepcopy(engine.optimizer.state_dict()),
+    }
+    return engine, initial
+
+
+def sweep_row(settings, runs, arms, attention):
+    """One sequence length of a sweep: the attention forward's share of the plain step (the op-level gate, every
+    attention layer's forward over the plain step), the stash's saving of the step, and the saving over the share,
+    each with its noise and verdict."""
+    attention_ms, backend, attention_quartiles = attention
+    by_arm, _, cross_arm = summarize(settings, arms, runs, attention_ms)
+    plain, stash = by_arm
+    layers = stash["stashed"]
+    # The saving as a fraction of the plain step (compare() gives fractions of its second arm's).
+    difference = plain["median_ms"] - stash["median_ms"]
+    noise = max(_width(plain["quartiles_ms"]), _width(stash["quartiles_ms"]))
+    # The share's noise: the spread of the timed attention forwards, over the plain step.
+    share = layers * attention_ms / plain["median_ms"]
+    share_noise = layers * _width(attention_quartiles) / plain["median_ms"]
+    return {
+        "sequence": settings["sequence"],
+        "backend": backend,
+        "attention_forward_ms": attention_ms,
+        "plain_ms": plain["median_ms"],
+        "plain_quartiles_ms": plain["quartiles_ms"],
+        "stash_ms": stash["median_ms"],
+        "stash_quartiles_ms": stash["quartiles_ms"],
+        "share": share,
+        "share_noise": share_noise,
+        "share_verdict": verdict(share, share_noise),
+        "saving": difference / plain["median_ms"],
+        "saving_noise": noise / plain["median_ms"],
+        "saving_verdict": verdict(difference, noise, bound=layers * attention_ms),
+        # The saving over the share is the saving per stashed layer over one attention forward.
+        "saving_over_share": stash["saved_fraction_of_attention"],
+        "saving_over_share_noise": stash["noise_per_layer_ms"] / attention_ms,
+        "saving_over_share_verdict": stash["saved_verdict"],
+        "saved_per_layer_ms": stash["saved_per_layer_ms"],
+        "noise_per_layer_ms": stash["noise_per_layer_ms"],
+        "kept_per_layer_bytes": stash["kept_per_layer_bytes"],
+        "recomputes_served": stash["recomputes_served"],
+        "steps_run": stash["steps_run"],
+        "losses_agree": cross_arm == 0,
+    }
+
+
+def _judged(value, noise, word):
+    text = f"{value:.1%} ± {noise:.1%}"
+    return text if word is None else f"{text} {word}"
+
+
+def format_sweep(settings, rows, target):
+    header = (f"{'sequence':>9}{'plain (ms)':>13}{'stash (ms)':>13}{'attn fwd (ms)':>15}{'attention share':>28}"
+              f"{'step saving':>32}{'saving / share':>34}{'saved/layer (ms)':>20}{'kept/layer vs planner':>30}")
+    lines = [header, "-" * len(header)]
+    for row in rows:
+        share, saving, ratio = (_judged(row[key], row[f"{key}_noise"], row[f"{key}_verdict"])
+                                for key in ("share", "saving", "saving_over_share"))
+        saved = f"{row['saved_per_layer_ms']:.2f} ± {row['noise_per_layer_ms']:.2f}"
+        planner = row.get("planner_bytes")
+        kept = f"{row['kept_per_layer_bytes'] / 2**20:,.2f} MiB" + (
+            f" {row['kept_per_layer_bytes'] / planner - 1:+.2%}" if planner else "")
+        lines.append(f"{row['sequence']:>9,}{row['plain_ms']:>13,.1f}{row['stash_ms']:>13,.1f}"
+                     f"{row['attention_forward_ms']:>15,.2f}{share:>28}{saving:>32}{ratio:>34}{saved:>20}{kept:>30}")
+    lines.append("")
+    lines.append("attention share: every stashed layer's attention forward (the op-level gate) over the plain step, "
+                 "± the spread of the timed forwards; step saving: plain minus stash over plain, ± the wider IQR of "
+                 "the two; saving / share: the saving per stashed layer over one attention forward. Each within "
+                 "its noise is UNRESOLVED, beyond what the attention forward allows NOISY: not a result. "
+                 "saved/layer: per stashed layer and micro-batch, ± the step noise per layer; kept/layer: the "
+                 "stash's peak per layer, against the planner's attention_stash_layer_bytes.")
+    resolved = [row for row in rows if row["saving_over_share_verdict"] is None]
+    missed = [row["sequence"] for row in resolved if row["saving_over_share"] < target]
+    if not resolved:
+        lines.append(f"target (saving at least {target:.0%} of the share): no length resolved; repeat on an idle "
+                     f"machine, with longer sequences or more steps")
+    elif missed:
+        lines.append(f"target (saving at least {target:.0%} of the share): MISSED at {missed}, of the "
+                     f"{len(resolved)} lengths that resolved")
+    else:
+        lines.append(f"target (saving at least {target:.0%} of the share): met at every length that resolved "
+                     f"({', '.join(str(row['sequence']) for row in resolved)})")
+    return "\n".join(lines)
+
+
+def plot_sweep(path, settings, rows):
+    """Saving and share against sequence length, each with its noise; lengths whose saving is not a result hollow."""
+    matplotlib = _matplotlib()
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7, 4.5))
+    x = [row["sequence"] for row in rows]
+    for key, label, color in (("share", "attention forward's share of the plain step", "C1"),
+                              ("saving", "the stash's step saving", "C0")):
+        axis.errorbar(x, [100 * row[key] for row in rows],
+                      yerr=[100 * row[f"{key}_noise"] for row in rows],
+                      fmt="o-",
+                      color=color,
+                      capsize=4,
+                      label=label)
+        hollow = [row for row in rows if row[f"{key}_verdict"]]
+        if hollow:
+            axis.plot([row["sequence"] for row in hollow], [100 * row[key] for row in hollow],
+                      "o",
+                      markersize=9,
+                      markerfacecolor="white",
+                      markeredgecolor=color,
+                      label=f"{label}: UNRESOLVED or NOISY")
+    axis.set_xscale("log", base=2)
+    axis.set_xticks(x, [str(length) for length in x])
+    axis.set(xlabel="sequence length", ylabel="% of the plain step")
+    axis.set_ylim(bottom=min(0, *(100 * (row["saving"] - row["saving_noise"]) for row in rows)))
+    axis.legend(fontsize=8)
+    figure.suptitle(f"attention stash on all {attention_layers(settings)} attention layers, micro-batch "
+                    f"{settings['micro_batch']}, {settings['dtype']} on {settings['device']}")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return figure
+
+
+# The share of the attention forward that the stash's saving must reach, at every length that resolves.
+SWEEP_TARGET = 0.9
+
+
+def sweep(args, settings, deepspeed, config, started):
+    """Plain reentrant recompute against the stash on every attention layer, at each sequence length: forward, then
+    reverse sweep of the two arms, from the same weights and batches."""
+    import transformers
+
+    from deepspeed.runtime.activation_checkpointing.attention_stash import attention_stash_layer_bytes
+
+    full = attention_layers(settings)
+    arms = [
+        dict(label="plain recompute", kind="plain", stashed=0),
+        dict(label=f"stash {full} layers", kind="stash", stashed=full)
+    ]
+    ranks, rank, mpu = settings["sequence_parallel"], 0, None
+    # Under sequence parallelism each rank's attention runs its share of the heads over the whole sequence.
+    gate = dict(heads=settings["heads"] // ranks, kv_heads=max(1, settings["kv_heads"] // ranks))
+    rows = []
+    for sequence in settings["sequences"]:
+        at = {**settings, "sequence": sequence}
+        model = build_model(at) if ranks > 1 and mpu is None else None
+        if model is not None:
+            # ALST registers once per process, before the engines: its wrapper serves every model of its shapes.
+            from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+            deepspeed.init_distributed(dist_backend="gloo" if at["device"] == "cpu" else None)
+            rank = torch.distributed.get_rank()
+            mpu = UlyssesSPAttentionHF.register_with_transformers(model_name_or_path=model,
+                                                                  core_attn_implementation="sdpa",
+                                                                  sequence_parallel_size=ranks,
+                                                                  micro_batch_size=at["micro_batch"],
+                                                                  seq_length_is_variable=True)
+            del model
+        engine, initial = make_engine(deepspeed, at, config, mpu)
+        batches = make_batches(at, at["warmup"] + at["steps"])
+        if ranks > 1:
+            batches = shard_batches(batches, rank, ranks)
+        for arm in arms:
+            run_arm(engine, initial, batches[:1], {**at, "warmup": 0}, arm)
+        runs = [(arm["label"], run_arm(engine, initial, batches, at, arm)) for arm in arms + arms[::-1]]
+        row = sweep_row(at, runs, arms, attention_forward_ms({**at, **gate}, batches[0].get("attention_mask")))
+        row["planner_bytes"] = attention_stash_layer_bytes(engine.module,
+                                                           at["micro_batch"],
+                                                           sequence,
+                                                           device=at["device"])
+        rows.append(row)
+        # After each length, so that a run stopped by a time limit leaves the lengths it finished.
+        if args.json and rank == 0:
+            with open(args.json, "w") as file:
+                json.dump({"settings": settings, "target": SWEEP_TARGET, "rows": rows}, file, indent=2)
+        if rank == 0:
+            print(
+                f"[{len(rows)}/{len(settings['sequences'])}] sequence {sequence}: plain {row['plain_ms']:,.1f} ms, "
+                f"stash {row['stash_ms']:,.1f} ms, losses agree: {row['losses_agree']}",
+                flush=True)
+        del engine, initial, batches
+    if rank != 0:
+        return rows
+    if args.plot:
+        plot_sweep(args.plot, settings, rows)
+    wall_s = time.perf_counter() - started
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump({"settings": settings, "target": SWEEP_TARGET, "rows": rows, "wall_s": wall_s}, file, indent=2)
+    parallel = (f", Ulysses sequence parallelism over {ranks} ranks (figures of rank 0: {gate['heads']} of "
+                f"{settings['heads']} query heads over the whole sequence)" if ranks > 1 else "")
+    print()
+    print(f"attention stash sweep: {settings['layers']} layers ({full} with softmax attention), micro-batch "
+          f"{settings['micro_batch']}, {settings['dtype']} on {settings['device']}{parallel}, {settings['steps']} "
+          f"timed steps after {settings['warmup']} per run, two runs per arm; torch {torch.__version__}, "
+          f"transformers {transformers.__version__}, deepspeed {deepspeed.__version__}")
+    print(format_sweep(settings, rows, SWEEP_TARGET))
+    print(f"wall time: {int(wall_s // 60)} min {int(wall_s % 60):02d} s ({wall_s:.1f} s), from the start to the "
+          f"table, for {len(rows)} lengths")
+    return rows
+
+
 def main(argv=None):
     started = time.perf_counter()
     args, settings = parse_args(argv)
@@ -754,15 +1063,9 @@ def main(argv=None):
                      f"{transformers.__version__}.")
         config["expert_parallel"] = {"enabled": True, "autoep_size": 1, "preset_model": "qwen3_moe"}
 
-    model = build_model(settings)
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    initial = {
-        "module": {
-            name: tensor.detach().clone()
-            for name, tensor in engine.module.state_dict().items()
-        },
-        "optimizer": copy.deepcopy(engine.optimizer.state_dict()),
-    }
+    if len(settings["sequences"]) > 1 or settings["sequence_parallel"] > 1:
+        return sweep(args, settings, deepspeed, config, started)
+    engine, initial = make_engine(deepspeed, settings, config)
     batches = make_batches(settings, settings["warmup"] + settings["steps"])
 
     full = attention_layers(settings)
@@ -791,7 +1094,7 @@ def main(argv=None):
             f"[{index}/{len(order)}] {arm['label']}: median {run['median_ms']:,.1f} ms, losses "
             f"{', '.join(f'{loss:.6f}' for loss in run['losses'])}",
             flush=True)
-    attention_ms, backend = attention_forward_ms(settings, batches[0].get("attention_mask"))
+    attention_ms, backend, _ = attention_forward_ms(settings, batches[0].get("attention_mask"))
     # What the stash's memory planner predicts one layer keeps per micro-batch, for the same shapes.
     predicted_bytes = attention_stash_layer_bytes(engine.module,
                                                   settings["micro_batch"],

@@ -10,7 +10,9 @@
 #   2. the benchmark's Qwen3-30B-A3B preset (bf16, sequence 4096, micro-batch 4, 32 query and 4 key/value heads of
 #      dimension 128), all arms, --json and --plot under $OUT;
 #   3. the op-level figures (gpu_op_figures.py): the attention forward per fused backend, the saving per stashed
-#      layer and micro-batch, the bytes kept per layer against the planner, peak memory per arm;
+#      layer and micro-batch, the bytes kept per layer against the planner, peak memory per arm; then the long-sequence
+#      leg: the benchmark's sweep of Llama-8B-shaped attention (32 query and 8 key/value heads of dimension 128,
+#      bf16, 2 layers, micro-batch 1) over 8k, 16k and 32k tokens, as far as its limit allows;
 #   4. the report, dated, with GPU, driver, torch, CUDA, cuDNN and transformers versions (gpu_check_report.py).
 # Each step runs under its own timeout inside the whole run's budget; one that fails or times out is reported as a
 # failure and the next one runs. Exit status: 0 when every step passed, 1 when one did not, 2 when no report came.
@@ -18,7 +20,7 @@
 # Usage, with the device tool (the wheels must travel: ../shared is not there on the device machine):
 #   here, in the checkout:  rm -rf .whl && cp -r ../shared/wheels .whl      (.whl/ is in .gitignore)
 #   device run:             command "bash tests/benchmarks/gpu_check.sh", carry [".whl"], timeout_s 600
-#   RESULTS.md, gpu_check.log, junit-*.xml, bench.json, bench.png and op_figures.json come back from $OUT.
+#   RESULTS.md, gpu_check.log, junit-*.xml, bench.json, bench.png, op_figures.json and long.json come back from $OUT.
 # Before a device is spent on it, on any machine (CPU, tiny shapes, about 90 s; the CI test runs it):
 #   bash tests/benchmarks/gpu_check.sh --dry-run
 # The dry run runs every step the same way; it swaps only the device (CPU), the shapes (tiny), the tests (a few, by
@@ -121,6 +123,7 @@ run_step() {
 if [[ $MODE == gpu ]]; then
     DEVICE=cuda
     SHAPES=(--preset qwen3-30b-a3b --device cuda --dtype bfloat16 --sequence 4096 --micro-batch 4)
+    LONG=(--preset llama-8b-long --sequence 8192,16384,32768)
     # Not this check's own dry-run test: it would run the dry run inside each leg.
     SUITE=(tests/unit/runtime/activation_checkpointing
         --ignore tests/unit/runtime/activation_checkpointing/test_attention_stash_gpu_check.py)
@@ -128,6 +131,7 @@ else
     DEVICE=cpu
     SHAPES=(--preset cpu --device cpu --dtype float32 --layers 2 --sequence 64 --micro-batch 1 --experts 2 --warmup 1
         --steps 1)
+    LONG=(--preset llama-long-cpu --sequence 32,64)
     SUITE=(tests/unit/runtime/activation_checkpointing/test_attention_stash.py
         -k "replay_matches_autograd or cuda or kept_bytes_are_one_output")
 fi
@@ -272,6 +276,12 @@ run_step bench 170 env PYTHONPATH="$BENCH_PATH" DS_ACCELERATOR="$DEVICE" RANK=0 
 # --- 3. the op-level figures at the same shapes ----------------------------------------------------------------------
 run_step op-figures 60 env PYTHONPATH="$BENCH_PATH" DS_ACCELERATOR="$DEVICE" "$VPY" \
     tests/benchmarks/gpu_op_figures.py --out "$OUT/op_figures.json" --bench-json "$OUT/bench.json" -- "${SHAPES[@]}"
+
+# --- 3b. the long-sequence leg: Llama-8B-shaped attention in 2 layers over 8k, 16k and 32k tokens, plain recompute
+# against the stash; the JSON is written after each length, so a leg cut short by its limit keeps the lengths it did.
+run_step long-sequence 100 env PYTHONPATH="$BENCH_PATH" DS_ACCELERATOR="$DEVICE" RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 \
+    MASTER_ADDR=127.0.0.1 MASTER_PORT="${PORT:-29500}" "$VPY" tests/benchmarks/attention_stash_bench.py \
+    "${LONG[@]}" --json "$OUT/long.json"
 
 # --- 1, leg 2: the suite under transformers 5.24.0, after the figures that nothing else gives: where the time runs
 # short, its GPU tests, which come first in the suite's order, have run.

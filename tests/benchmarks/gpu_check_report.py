@@ -235,6 +235,7 @@ class Report:
         self.probes = {leg: _load_json(os.path.join(work, f"probe-{leg}.json")) for leg, _ in LEGS}
         self.bench = _load_json(os.path.join(out, "bench.json"))
         self.op = _load_json(os.path.join(out, "op_figures.json"))
+        self.long = _load_json(os.path.join(out, "long.json"))
         self.lines = []
 
     def add(self, *lines):
@@ -493,6 +494,41 @@ class Report:
         if not self.bench:
             self.waited("bench", "the bytes the benchmark kept")
 
+    def long_sequences(self):
+        self.add("## Long sequences", "")
+        self.add(f"Command: `{self.step.get('long-sequence', {}).get('command', '?')}`", "")
+        if not self.long or not self.long.get("rows"):
+            self.waited("long-sequence", "the long-sequence figures")
+            return
+        settings = self.long["settings"]
+        self.add(
+            f"Llama-shaped, {settings['layers']} layers, hidden {settings['hidden']}, {settings['heads']} query and "
+            f"{settings['kv_heads']} key/value heads of dimension {settings['head_dim']}, micro-batch "
+            f"{settings['micro_batch']}, {settings['dtype']} on {settings['device']}; plain reentrant recompute "
+            f"against the stash on every layer, {settings['steps']} timed steps after {settings['warmup']} per run, "
+            f"two runs per arm. Lengths finished: {len(self.long['rows'])} of {len(settings['sequences'])}.", "")
+        rows = []
+        for row in self.long["rows"]:
+            judged = {
+                key:
+                f"{row[key]:.1%} ± {row[f'{key}_noise']:.1%}" +
+                (f" {row[f'{key}_verdict']}" if row[f"{key}_verdict"] else "")
+                for key in ("share", "saving", "saving_over_share")
+            }
+            rows.append([
+                f"{row['sequence']:,}", row["backend"],
+                _ms(row["attention_forward_ms"],
+                    2), f"{row['plain_ms']:,.1f}", f"{row['stash_ms']:,.1f}", judged["share"], judged["saving"],
+                f"{row['saved_per_layer_ms']:.2f} ± {row['noise_per_layer_ms']:.2f}", judged["saving_over_share"],
+                f"{row['kept_per_layer_bytes']:,.0f}", f"{row['planner_bytes']:,}", f"{row['recomputes_served']:,}"
+            ])
+        self.add(*_table([
+            "sequence", "backend", "attention forward (ms)", "plain step (ms)", "stash step (ms)", "attention share",
+            "step saving", "saved per layer (ms)", "saving / share", "kept B per layer", "planner B per layer",
+            "recomputes served"
+        ], rows))
+        self.add("")
+
     def peak_memory(self):
         self.add("## Peak memory per arm", "")
         if not self.bench:
@@ -518,10 +554,10 @@ class Report:
 
     def write(self):
         for section in (self.header, self.versions, self.install, self.steps_table, self.suites, self.benchmark,
-                        self.op_figures, self.kept_bytes, self.peak_memory, self.failed_logs):
+                        self.op_figures, self.kept_bytes, self.peak_memory, self.long_sequences, self.failed_logs):
             section()
         self.add("Files: RESULTS.md, gpu_check.log (every step's log), junit-image.xml, junit-wheel.xml, bench.json, "
-                 "bench.png, op_figures.json.")
+                 "bench.png, op_figures.json, long.json.")
         path = os.path.join(self.out, "RESULTS.md")
         with open(path, "w") as file:
             file.write("\n".join(self.lines) + "\n")

@@ -9,11 +9,14 @@ Nothing here is timed; speed and memory are the benchmark's to measure.
 import json
 import os
 import re
+import subprocess
 import sys
 import time
 
 import pytest
 from deepspeed.accelerator import get_accelerator
+
+from attention_stash_helpers import free_port
 
 BENCHMARKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "benchmarks")
 
@@ -291,3 +294,98 @@ def test_host_benchmark_runs_and_counts_what_it_served(capsys):
         assert rows["fused forward kernel"][0:4:3] == ["2", "1"]
         assert rows["stash's node"][:2] == ["-", "1"]
         assert rows["attention node in the backward"][0:4:3] == ["1", "1"]
+
+
+@on_cpu_accelerator
+def test_sweep_of_sequence_lengths_runs_every_length(bench, tmp_path, capsys):
+    """--sequence with several lengths: plain recompute and the stash at each, every recompute served, the losses of
+    both arms equal, a row and a plotted point per length."""
+    path = tmp_path / "sweep.json"
+    bench.main([
+        "--layers", "2", "--sequence", "32,48", "--steps", "1", "--experts", "2", "--json",
+        str(path), "--plot",
+        str(tmp_path / "sweep.png")
+    ])
+    result = json.loads(path.read_text())
+    assert [row["sequence"] for row in result["rows"]] == [32, 48] and result["target"] == 0.9
+    for row in result["rows"]:
+        # (1 warm-up + 1 timed step) x 2 runs x 2 layers.
+        assert row["recomputes_served"] == 8 and row["steps_run"] == 4 and row["losses_agree"]
+        assert row["backend"] == "FLASH_ATTENTION" and 0 < row["share"]
+    assert (tmp_path / "sweep.png").stat().st_size > 0
+    table = capsys.readouterr().out.split("attention stash sweep: ")[1]
+    assert table.splitlines()[0].startswith("2 layers (2 with softmax attention), micro-batch 1, float32 on cpu")
+    assert [line.split()[0] for line in table.splitlines()[3:5]] == ["32", "48"]
+
+
+def _sweep_runs(plain_ms, stash_ms, spread_ms, stashed=4):
+    arms = [
+        dict(label="plain recompute", kind="plain", stashed=0),
+        dict(label="stash 4 layers", kind="stash", stashed=stashed)
+    ]
+    runs = []
+    for arm in arms + arms[::-1]:
+        median = stash_ms if arm["stashed"] else plain_ms
+        runs.append((arm["label"], {
+            "recomputes_served": arm["stashed"] * 3,
+            "times_ms": [median - spread_ms, median, median + spread_ms],
+            "median_ms": median,
+            "losses": [2.5] * 3,
+            "kept_bytes": arm["stashed"] * 1000,
+            "peak_allocated_bytes": None,
+            "peak_rss_bytes": 2**30,
+            "peak_live_bytes": 2**29,
+        }))
+    return arms, runs
+
+
+def test_sweep_rows_judge_share_saving_and_their_ratio(bench):
+    """A length whose saving resolves: the share of 4 attention forwards of 25 ms in a 1000 ms step is 10%, a saving
+    of 95 ms is 9.5%, 95% of the share; the target is met. A length within its noise is UNRESOLVED and does not
+    count; a saving under 90% of the share misses the target."""
+    settings = {**bench.PRESETS["cpu"], "pad_fraction": 0.0}
+    resolved = bench.sweep_row({
+        **settings, "sequence": 4096
+    }, *reversed(_sweep_runs(1000.0, 905.0, 2.0)), (25.0, "FLASH_ATTENTION", [24.5, 25.5]))
+    assert resolved["share"] == pytest.approx(0.1) and resolved["share_noise"] == pytest.approx(0.004)
+    assert resolved["saving"] == pytest.approx(0.095) and resolved["saving_verdict"] is None
+    assert resolved["saving_over_share"] == pytest.approx(0.95) and resolved["saving_over_share_verdict"] is None
+    unresolved = bench.sweep_row({
+        **settings, "sequence": 512
+    }, *reversed(_sweep_runs(100.0, 99.0, 20.0)), (0.5, "FLASH_ATTENTION", [0.4, 0.6]))
+    assert unresolved["saving_verdict"] == "UNRESOLVED" and unresolved["saving_over_share_verdict"] == "UNRESOLVED"
+    table = bench.format_sweep(settings, [unresolved, resolved], 0.9)
+    assert "UNRESOLVED" in table.splitlines()[2] and "UNRESOLVED" not in table.splitlines()[3]
+    assert table.splitlines()[-1] == ("target (saving at least 90% of the share): met at every length that resolved "
+                                      "(4096)")
+    short = bench.sweep_row({
+        **settings, "sequence": 8192
+    }, *reversed(_sweep_runs(1000.0, 930.0, 2.0)), (25.0, "FLASH_ATTENTION", [24.5, 25.5]))
+    assert bench.format_sweep(settings, [resolved, short], 0.9).splitlines()[-1] == (
+        "target (saving at least 90% of the share): MISSED at [8192], of the 2 lengths that resolved")
+
+
+@on_cpu_accelerator
+def test_sweep_under_sequence_parallelism_on_two_ranks(tmp_path):
+    """--sequence-parallel under torchrun: ALST over 2 ranks, each training half of each sequence; every recompute
+    served, and each rank keeping its half of the heads over the whole sequence, as the planner counts it."""
+    path = tmp_path / "sweep.json"
+    environment = {
+        name: value
+        for name, value in os.environ.items()
+        if name not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    }
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+        free_port(),
+        os.path.join(BENCHMARKS, "attention_stash_bench.py"), "--sequence-parallel", "--sequence", "32", "--layers",
+        "2", "--steps", "1", "--experts", "2", "--json",
+        str(path)
+    ]
+    result = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert "Ulysses sequence parallelism over 2 ranks (figures of rank 0: 4 of 8 query heads" in result.stdout
+    (row, ) = json.loads(path.read_text())["rows"]
+    assert row["recomputes_served"] == 8 and row["losses_agree"]
+    # Micro-batch 1 x 4 of the 8 query heads x the whole sequence x (head dim 64 x fp32 bytes + FP32 LSE).
+    assert row["kept_per_layer_bytes"] == row["planner_bytes"] == 1 * 4 * 32 * (64 * 4 + 4)

@@ -17,10 +17,10 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
 SCRIPT = os.path.join(REPO, "tests", "benchmarks", "gpu_check.sh")
 STEPS = ("build-wheels", "venv", "install-venv", "probe-image", "probe-wheel", "suite-image", "bench", "op-figures",
-         "suite-wheel")
+         "long-sequence", "suite-wheel")
 SECTIONS = ("## Versions", "## Offline install", "## Steps", "## GPU tests", "### Leg 1: transformers",
             "### Leg 2: transformers", "## Rest of the suite", "## Benchmark", "## Op-level figures",
-            "## Bytes kept per layer against the planner", "## Peak memory per arm")
+            "## Bytes kept per layer against the planner", "## Peak memory per arm", "## Long sequences")
 
 
 def _section(report, title):
@@ -112,10 +112,19 @@ def test_gpu_check_dry_run(tmp_path):
     memory = _section(report, "## Peak memory per arm")
     assert re.match(r"[\d,.]+ MiB$", _row(memory, "stash 2 layers")[2])
 
+    # The long-sequence leg at tiny shapes: both lengths, every recompute served, the planner's bytes kept (4 query
+    # heads of dimension 16 in FP32, and the FP32 log-sum-exp).
+    long = _section(report, "## Long sequences")
+    assert "Lengths finished: 2 of 2." in long
+    for sequence in (32, 64):
+        row = _row(long, str(sequence))
+        assert row[1] == "FLASH_ATTENTION" and row[-1] == "8"
+        assert row[-3] == row[-2] == f"{4 * sequence * (16 * 4 + 4):,}"
+
     # What the device tool brings back: at most 8 files, no folders.
     files = sorted(path.name for path in out.iterdir())
     assert files == [
-        "RESULTS.md", "bench.json", "bench.png", "gpu_check.log", "junit-image.xml", "junit-wheel.xml",
+        "RESULTS.md", "bench.json", "bench.png", "gpu_check.log", "junit-image.xml", "junit-wheel.xml", "long.json",
         "op_figures.json"
     ]
 
