@@ -901,17 +901,25 @@ def format_sweep(settings, rows, target):
                  "its noise is UNRESOLVED, beyond what the attention forward allows NOISY: not a result. "
                  "saved/layer: per stashed layer and micro-batch, ± the step noise per layer; kept/layer: the "
                  "stash's peak per layer, against the planner's attention_stash_layer_bytes.")
+    # The target is judged by the same rule: a ratio below it by less than its noise is not a miss, but unresolved.
     resolved = [row for row in rows if row["saving_over_share_verdict"] is None]
-    missed = [row["sequence"] for row in resolved if row["saving_over_share"] < target]
+    met = [row["sequence"] for row in resolved if row["saving_over_share"] >= target]
+    missed = [
+        row["sequence"] for row in resolved if row["saving_over_share"] + row["saving_over_share_noise"] < target
+    ]
+    near = [row for row in resolved if row["sequence"] not in met + missed]
+    head = f"target (saving at least {target:.0%} of the share), at the {len(resolved)} lengths that resolved:"
     if not resolved:
         lines.append(f"target (saving at least {target:.0%} of the share): no length resolved; repeat on an idle "
                      f"machine, with longer sequences or more steps")
     elif missed:
-        lines.append(f"target (saving at least {target:.0%} of the share): MISSED at {missed}, of the "
-                     f"{len(resolved)} lengths that resolved")
+        lines.append(f"{head} MISSED at {missed}")
+    elif near:
+        lines.append(f"{head} met at {met}; below it within the noise at " + ", ".join(
+            f"{row['sequence']} ({row['saving_over_share']:.1%} ± {row['saving_over_share_noise']:.1%})"
+            for row in near) + ": UNRESOLVED there")
     else:
-        lines.append(f"target (saving at least {target:.0%} of the share): met at every length that resolved "
-                     f"({', '.join(str(row['sequence']) for row in resolved)})")
+        lines.append(f"{head} met at every one ({', '.join(str(length) for length in met)})")
     return "\n".join(lines)
 
 

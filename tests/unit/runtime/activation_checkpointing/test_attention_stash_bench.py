@@ -356,13 +356,18 @@ def test_sweep_rows_judge_share_saving_and_their_ratio(bench):
     assert unresolved["saving_verdict"] == "UNRESOLVED" and unresolved["saving_over_share_verdict"] == "UNRESOLVED"
     table = bench.format_sweep(settings, [unresolved, resolved], 0.9)
     assert "UNRESOLVED" in table.splitlines()[2] and "UNRESOLVED" not in table.splitlines()[3]
-    assert table.splitlines()[-1] == ("target (saving at least 90% of the share): met at every length that resolved "
-                                      "(4096)")
-    short = bench.sweep_row({
-        **settings, "sequence": 8192
-    }, *reversed(_sweep_runs(1000.0, 930.0, 2.0)), (25.0, "FLASH_ATTENTION", [24.5, 25.5]))
-    assert bench.format_sweep(settings, [resolved, short], 0.9).splitlines()[-1] == (
-        "target (saving at least 90% of the share): MISSED at [8192], of the 2 lengths that resolved")
+    assert table.splitlines()[-1] == ("target (saving at least 90% of the share), at the 1 lengths that resolved: "
+                                      "met at every one (4096)")
+    # 70% of the share, with a noise of 3%: a miss. 85%, with a noise of 30%: below the target within the noise.
+    gate = (25.0, "FLASH_ATTENTION", [24.5, 25.5])
+    short = bench.sweep_row({**settings, "sequence": 8192}, *reversed(_sweep_runs(1000.0, 930.0, 2.0)), gate)
+    near = bench.sweep_row({**settings, "sequence": 2048}, *reversed(_sweep_runs(1000.0, 915.0, 20.0)), gate)
+    assert near["saving_verdict"] is None and near["saving_over_share"] == pytest.approx(0.85)
+    assert bench.format_sweep(settings, [resolved, short, near], 0.9).splitlines()[-1] == (
+        "target (saving at least 90% of the share), at the 3 lengths that resolved: MISSED at [8192]")
+    assert bench.format_sweep(settings, [resolved, near], 0.9).splitlines()[-1] == (
+        "target (saving at least 90% of the share), at the 2 lengths that resolved: met at [4096]; below it within "
+        "the noise at 2048 (85.0% ± 30.0%): UNRESOLVED there")
 
 
 @on_cpu_accelerator
