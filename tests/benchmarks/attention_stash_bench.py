@@ -898,7 +898,8 @@ def format_sweep(settings, rows, target):
     lines.append("attention share: every stashed layer's attention forward (the op-level gate) over the plain step, "
                  "± the spread of the timed forwards; step saving: plain minus stash over plain, ± the wider IQR of "
                  "the two; saving / share: the saving per stashed layer over one attention forward. Each within "
-                 "its noise is UNRESOLVED, beyond what the attention forward allows NOISY: not a result. "
+                 "its noise, or with a noise as large as the attention forwards it can save, is UNRESOLVED, beyond "
+                 "what those forwards allow NOISY: not a result. "
                  "saved/layer: per stashed layer and micro-batch, ± the step noise per layer; kept/layer: the "
                  "stash's peak per layer, against the planner's attention_stash_layer_bytes.")
     # The target is judged by the same rule: a ratio below it by less than its noise is not a miss, but unresolved.
@@ -1031,11 +1032,12 @@ def sweep(args, settings, deepspeed, config, started):
     print()
     print(f"attention stash sweep: {settings['layers']} layers ({full} with softmax attention), micro-batch "
           f"{settings['micro_batch']}, {settings['dtype']} on {settings['device']}{parallel}, {settings['steps']} "
-          f"timed steps after {settings['warmup']} per run, two runs per arm; torch {torch.__version__}, "
+          f"timed step{'s' * (settings['steps'] != 1)} after {settings['warmup']} per run, two runs per arm; torch "
+          f"{torch.__version__}, "
           f"transformers {transformers.__version__}, deepspeed {deepspeed.__version__}")
     print(format_sweep(settings, rows, SWEEP_TARGET))
     print(f"wall time: {int(wall_s // 60)} min {int(wall_s % 60):02d} s ({wall_s:.1f} s), from the start to the "
-          f"table, for {len(rows)} lengths")
+          f"table, for {len(rows)} length{'s' * (len(rows) != 1)}")
     return rows
 
 
@@ -1045,7 +1047,8 @@ def main(argv=None):
     if args.plot:
         _matplotlib()  # before the runs, not after them
     if settings["device"] == "cpu":
-        torch.set_num_threads(max(1, os.cpu_count() or 1))
+        # The cores shared among the ranks that torchrun starts on this machine.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     deepspeed = _init_deepspeed(settings["device"])
     import transformers
 

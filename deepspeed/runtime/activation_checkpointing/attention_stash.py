@@ -845,11 +845,18 @@ class _LayerStash:
                                f"got a forward in which {hold.original!r}, the function the stash serves, did not. "
                                f"Remove the stash from this layer.")
         entry = hold.attention_functions.get("sdpa")
-        if entry is not hold.front or hold.place.function() is not hold.entry:
+        if entry is not hold.front:
             raise RuntimeError(f'{_FEATURE} needs the attention of {self.name} to reach the sdpa entry it installed '
                                f'in {_INTERFACE}, got {entry!r} in {_INTERFACE}["sdpa"], put there after the install '
-                               f'without calling the entry it replaced. Register attention functions before '
-                               f'installing the stash, or remove the stash before registering.')
+                               f'in place of {hold.front!r} without calling the entry it replaced (a registration, or '
+                               f'undoing one, such as DeepSpeed Ulysses sequence parallelism\'s). Register attention '
+                               f'functions before installing the stash, or remove the stash before changing that '
+                               f'entry.')
+        if hold.place.function() is not hold.entry:
+            raise RuntimeError(f'{_FEATURE} needs the attention of {self.name} to reach the sdpa entry it installed '
+                               f'as {hold.place.description}, got {hold.place.function()!r} there, put there after '
+                               f'the install without calling the entry it replaced. Set that function before '
+                               f'installing the stash, or remove the stash before changing it.')
         raise RuntimeError(f"{_FEATURE} needs the attention modules of {self.name} to call Hugging Face's attention "
                            f"interface with themselves as its module, got a forward without such a call (an attention "
                            f"module replaced after the install, or one that calls attention another way). Install "
@@ -1284,11 +1291,15 @@ def _sequence_parallel_ranks(sequence_parallel_size):
     """The ranks over which Ulysses sequence parallelism splits each attention call's heads, and how that is known:
     (the size given, "given"), else (the size of the DeepSpeed ALST registration that Hugging Face's "sdpa" lookup
     reaches, "found registered"), else (1, None)."""
-    if sequence_parallel_size is not None:
-        _check_positive_int("sequence_parallel_size", sequence_parallel_size)
-        return sequence_parallel_size, "given"
     _, attention_functions = _entry_points()
     ulysses = _ulysses_attention(attention_functions.get("sdpa"))
+    if sequence_parallel_size is not None:
+        _check_positive_int("sequence_parallel_size", sequence_parallel_size)
+        if ulysses is not None and ulysses.world_size != sequence_parallel_size:
+            raise ValueError(f"{_FEATURE} needs sequence_parallel_size to be that of the Ulysses sequence "
+                             f"parallelism registered, {ulysses.world_size}, got {sequence_parallel_size}. Leave it "
+                             f"out to plan with the registration's.")
+        return sequence_parallel_size, "given"
     return (ulysses.world_size, "found registered") if ulysses is not None else (1, None)
 
 
@@ -1669,6 +1680,15 @@ def install_attention_stash(model: torch.nn.Module,
                            f'engine).')
     attention_layers, others = _model_attention_layers(model)
     ranks = _sequence_parallel_ranks(sequence_parallel_size)
+    if ranks[0] > 1:
+        # Heads that the ranks cannot split are refused as ALST refuses them, with a batch shape or without.
+        for name, _, modules in attention_layers:
+            try:
+                calls = _attention_calls(name, modules)
+            except RuntimeError:
+                calls = []
+            for heads, key_heads, _ in calls:
+                _rank_heads(heads, key_heads, ranks[0])
     sizes = None
     if micro_batch_size is not None or sequence_length is not None:
         if micro_batch_size is None or sequence_length is None:

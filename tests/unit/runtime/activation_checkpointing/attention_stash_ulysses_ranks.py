@@ -120,10 +120,6 @@ def orders(rank, use_reentrant, report):
                 NUM_LAYERS * attention_stash.attention_stash_layer_bytes(
                     model, BATCH, sequence, device="cpu", sequence_parallel_size=RANKS) for sequence in SEQUENCES
             ],
-            "planned_whole": [
-                NUM_LAYERS * attention_stash.attention_stash_layer_bytes(
-                    model, BATCH, sequence, device="cpu", sequence_parallel_size=1) for sequence in SEQUENCES
-            ],
             "layers_for_budget":
             attention_stash.attention_stash_layers_for_budget(model,
                                                               results[0][2]["kept_after_forward"],
@@ -258,6 +254,42 @@ def refused_core(report):
     unregister_alst()
 
 
+def changed_after_the_install(report):
+    """ALST registered first, the stash installed: a core function set on ALST's object after the install, and ALST's
+    entry taken out of the interface after it, each raise naming what changed where; a size given against the
+    registration is refused."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def direct(module, query, key, value, attention_mask, **kwargs):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    for case in ("core_replaced", "alst_unregistered"):
+        model = checkpointed(llama_model())
+        register_alst(model)
+        handle = attention_stash.install_attention_stash(model, NUM_LAYERS)
+        if case == "core_replaced":
+            attention_stash._ulysses_attention(ALL_ATTENTION_FUNCTIONS["sdpa"]).attn = direct
+        else:
+            ALL_ATTENTION_FUNCTIONS._local_mapping.pop("sdpa")
+        try:
+            step(model, SEQUENCES[0], torch.distributed.get_rank())
+        except RuntimeError as error:
+            report[case] = str(error)
+        handle.remove()
+        unregister_alst()
+    model = checkpointed(llama_model())
+    register_alst(model)
+    for name, call in (("size_against_registration_install",
+                        lambda: attention_stash.install_attention_stash(model, 1, sequence_parallel_size=4)),
+                       ("size_against_registration_planner", lambda: attention_stash.attention_stash_layer_bytes(
+                           model, BATCH, SEQUENCES[0], device="cpu", sequence_parallel_size=4))):
+        try:
+            call()
+        except ValueError as error:
+            report[name] = str(error)
+    unregister_alst()
+
+
 def main():
     deepspeed.init_distributed("gloo")
     rank = torch.distributed.get_rank()
@@ -266,6 +298,7 @@ def main():
         orders(rank, use_reentrant, report)
     rest_of_the_setup(rank, report)
     refused_core(report)
+    changed_after_the_install(report)
     with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as file:
         json.dump(report, file)
     torch.distributed.barrier()

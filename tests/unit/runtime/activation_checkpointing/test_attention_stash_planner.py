@@ -14,8 +14,8 @@ from deepspeed.runtime.activation_checkpointing.attention_stash import (attentio
                                                                         attention_stash_layers_for_budget,
                                                                         install_attention_stash)
 
-from attention_stash_helpers import (NUM_LAYERS, batch_ids, checkpointed, logged_messages, mixtral_model,
-                                     qwen3_moe_model)
+from attention_stash_helpers import (NUM_LAYERS, assert_stock_process, batch_ids, checkpointed, llama_model,
+                                     logged_messages, mixtral_model, qwen3_moe_model)
 
 
 def _forward(model, batch, sequence, seed=1):
@@ -175,3 +175,15 @@ def test_install_without_geometry_logs_that_the_cost_is_unknown(install, monkeyp
     assert handle.layers == ("model.layers.2", )
     (message, ) = messages
     assert "for their recompute: a cost the planner cannot tell for these attention modules;" in message
+
+
+@pytest.mark.parametrize("shape", [{}, dict(micro_batch_size=2, sequence_length=32)], ids=["no_shape", "shape"])
+def test_a_sequence_parallel_size_that_does_not_split_the_heads_is_refused(shape):
+    """4 query heads over 3 ranks: refused at the install, with a batch shape or without, as ALST refuses it; the
+    process stays stock."""
+    model = checkpointed(llama_model())
+    with pytest.raises(ValueError,
+                       match="needs query heads divisible by the sequence-parallel size to plan them, got 4 heads and "
+                       "3 ranks"):
+        install_attention_stash(model, 1, sequence_parallel_size=3, **shape)
+    assert_stock_process()
