@@ -6,7 +6,10 @@
 import contextlib
 import gc
 import logging
+import os
 import socket
+import subprocess
+import sys
 from collections import Counter
 
 import torch
@@ -82,6 +85,30 @@ def free_port():
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return str(probe.getsockname()[1])
+
+
+def run_on_two_ranks(script, *args):
+    """``script`` with ``args`` under torchrun on two ranks and a free port, outside the caller's launcher environment;
+    fails with the end of its output unless it succeeds. Returns the completed process."""
+    environment = {
+        name: value
+        for name, value in os.environ.items()
+        if name not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    }
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", free_port()]
+    result = subprocess.run([*command, script, *args], env=environment, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    return result
+
+
+def every_n_layers(model, every_n_layers, use_reentrant=True):
+    """Hugging Face checkpointing on every ``every_n_layers``-th decoder layer from the first, in training mode."""
+    kwargs = {"use_reentrant": use_reentrant}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, every_n_layers=every_n_layers)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs, every_n_layers=every_n_layers)
+    return model.train()
 
 
 def checkpointed(model, use_reentrant=True, **checkpoint_kwargs):

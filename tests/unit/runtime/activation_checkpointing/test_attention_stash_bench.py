@@ -9,14 +9,13 @@ Nothing here is timed; speed and memory are the benchmark's to measure.
 import json
 import os
 import re
-import subprocess
 import sys
 import time
 
 import pytest
 from deepspeed.accelerator import get_accelerator
 
-from attention_stash_helpers import free_port
+from attention_stash_helpers import run_on_two_ranks
 
 BENCHMARKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "benchmarks")
 
@@ -375,20 +374,9 @@ def test_sweep_under_sequence_parallelism_on_two_ranks(tmp_path):
     """--sequence-parallel under torchrun: ALST over 2 ranks, each training half of each sequence; every recompute
     served, and each rank keeping its half of the heads over the whole sequence, as the planner counts it."""
     path = tmp_path / "sweep.json"
-    environment = {
-        name: value
-        for name, value in os.environ.items()
-        if name not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    }
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-        free_port(),
-        os.path.join(BENCHMARKS, "attention_stash_bench.py"), "--sequence-parallel", "--sequence", "32", "--layers",
-        "2", "--steps", "1", "--experts", "2", "--json",
-        str(path)
-    ]
-    result = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    result = run_on_two_ranks(os.path.join(BENCHMARKS,
+                                           "attention_stash_bench.py"), "--sequence-parallel", "--sequence", "32",
+                              "--layers", "2", "--steps", "1", "--experts", "2", "--json", str(path))
     assert "Ulysses sequence parallelism over 2 ranks (figures of rank 0: 4 of 8 query heads" in result.stdout
     (row, ) = json.loads(path.read_text())["rows"]
     assert row["recomputes_served"] == 8 and row["losses_agree"]

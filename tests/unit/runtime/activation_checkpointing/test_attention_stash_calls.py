@@ -26,8 +26,8 @@ from deepspeed.runtime.activation_checkpointing import attention_stash
 from deepspeed.runtime.activation_checkpointing.attention_stash import install_attention_stash
 
 from attention_stash_helpers import (CPU_FORWARD, NUM_LAYERS, CountOps, assert_same_grads, assert_stock_process,
-                                     batch_ids, checkpointed, live_checkpoint_calls, logged_messages, mixtral_model,
-                                     param_grads, qwen3_moe_model, stashed_train_step, train_step)
+                                     batch_ids, checkpointed, every_n_layers, live_checkpoint_calls, logged_messages,
+                                     mixtral_model, param_grads, qwen3_moe_model, stashed_train_step, train_step)
 
 
 def _counts(handle):
@@ -304,21 +304,12 @@ def test_checkpointing_enabled_again_and_every_n_layers(install):
     assert _counts(handle) == (0, 0, 2, 0)
 
 
-def _every_second_layer(model, use_reentrant):
-    kwargs = {"use_reentrant": use_reentrant}
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, every_n_layers=2)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs, every_n_layers=2)
-    return model.train()
-
-
 @pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non_reentrant"])
 def test_every_n_layers_with_an_even_layer_count(install, use_reentrant):
     """every_n_layers=2 on 4 layers checkpoints layers 0 and 2 and leaves the last one without a recompute: installed
     after checkpointing is enabled, num_layers counts the checkpointed attention layers, and the install line says
     which layers it left out and why."""
-    model = _every_second_layer(mixtral_model(num_hidden_layers=4), use_reentrant)
+    model = every_n_layers(mixtral_model(num_hidden_layers=4), 2, use_reentrant)
     ids = batch_ids()
     expected_loss, expected = train_step(model, ids)
     with pytest.raises(ValueError,

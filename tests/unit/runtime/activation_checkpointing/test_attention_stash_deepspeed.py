@@ -11,8 +11,6 @@ recompute's deterministic kernels, so losses and parameters are compared bitwise
 import gc
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -22,7 +20,7 @@ from deepspeed.runtime.activation_checkpointing.attention_stash import install_a
 
 from attention_stash_helpers import (CPU_FORWARD, NUM_LAYERS, CountOps, assert_same_grads,
                                      assert_stashed_step_is_stock, batch_ids, checkpointed, free_port, mixtral_model,
-                                     param_grads, qwen3_moe_model)
+                                     param_grads, qwen3_moe_model, run_on_two_ranks)
 
 # One process group for the whole module, as deepspeed.initialize makes it from these on first use.
 for _variable, _default in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
@@ -191,19 +189,8 @@ def test_autoep_before_or_after_initialize(model_name):
 @requires_autoep
 def test_autoep_two_ranks(tmp_path):
     """autoep_size=2 over gloo: the expert all-to-all runs inside each recompute."""
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "attention_stash_two_ranks.py")
-    environment = {
-        name: value
-        for name, value in os.environ.items()
-        if name not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    }
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-        free_port(), script,
-        str(tmp_path)
-    ]
-    result = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    run_on_two_ranks(os.path.join(os.path.dirname(os.path.abspath(__file__)), "attention_stash_two_ranks.py"),
+                     str(tmp_path))
     reports = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
     assert sorted(report["rank"] for report in reports) == [0, 1]
     for report in reports:

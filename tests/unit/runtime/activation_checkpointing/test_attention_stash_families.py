@@ -19,7 +19,7 @@ from deepspeed.runtime.activation_checkpointing.attention_stash import (attentio
                                                                         install_attention_stash)
 
 from attention_stash_helpers import (CPU_FORWARD, CountOps, assert_same_grads, assert_stock_process, batch_ids,
-                                     checkpointed, counted_step, logged_messages, param_grads)
+                                     checkpointed, counted_step, every_n_layers, logged_messages, param_grads)
 
 _SMALL = dict(vocab_size=128, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, max_position_embeddings=64)
 _MOE = dict(num_experts=4, num_experts_per_tok=2)
@@ -201,19 +201,10 @@ def test_a_mask_built_in_the_layer_that_differs_in_the_recompute_is_refused(inst
     assert (handle.num_kept, handle.recomputes_served) == (0, 0)
 
 
-def _every_n_layers(model, every_n_layers):
-    kwargs = {"use_reentrant": True}
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, every_n_layers=every_n_layers)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs, every_n_layers=every_n_layers)
-    return model.train()
-
-
 def test_hybrid_with_every_n_layers(install):
     """every_n_layers on a hybrid: num_layers counts its checkpointed attention layers; where checkpointing leaves
     every attention layer out, the install and the planner refuse, naming the layers it is on."""
-    model = _every_n_layers(family_model("jamba"), 3)  # layers 0 and 3: attention layer 3 is checkpointed
+    model = every_n_layers(family_model("jamba"), 3)  # layers 0 and 3: attention layer 3 is checkpointed
     inputs = _inputs(model)
     expected_loss, expected, _ = counted_step(model, **inputs)
     with logged_messages() as messages:
@@ -227,7 +218,7 @@ def test_hybrid_with_every_n_layers(install):
     assert_same_grads(grads, expected)
     handle.remove()
 
-    model = _every_n_layers(family_model("qwen3_next"), 3)  # layers 0 and 3, both linear attention
+    model = every_n_layers(family_model("qwen3_next"), 3)  # layers 0 and 3, both linear attention
     message = ("needs activation checkpointing on attention layers, whose recompute it serves, got it on "
                "model.layers.0, model.layers.3 only, none of which has softmax attention")
     with pytest.raises(RuntimeError, match=message):

@@ -14,12 +14,10 @@ rank's as the planner counts them. CI runs it on both checkpoint layouts of tran
 import json
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 
-from attention_stash_helpers import NUM_LAYERS, free_port
+from attention_stash_helpers import NUM_LAYERS, run_on_two_ranks
 
 SEQUENCES = (16, 24)
 
@@ -27,19 +25,8 @@ SEQUENCES = (16, 24)
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
     folder = tmp_path_factory.mktemp("ulysses")
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "attention_stash_ulysses_ranks.py")
-    environment = {
-        name: value
-        for name, value in os.environ.items()
-        if name not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    }
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-        free_port(), script,
-        str(folder)
-    ]
-    result = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    run_on_two_ranks(os.path.join(os.path.dirname(os.path.abspath(__file__)), "attention_stash_ulysses_ranks.py"),
+                     str(folder))
     found = [json.loads((folder / f"rank{rank}.json").read_text()) for rank in range(2)]
     assert sorted(report["rank"] for report in found) == [0, 1]
     return found
