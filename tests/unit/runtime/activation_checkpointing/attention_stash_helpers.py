@@ -169,6 +169,20 @@ def counted_step(model, **inputs):
     return loss.detach(), param_grads(model), backward.calls
 
 
+def assert_served_as_plain(model, num_layers, install, **inputs):
+    """A step of ``model`` without and then with the stash on its last ``num_layers`` layers: the same loss and
+    gradients, bitwise, no attention forward kernel in the stashed layers' recomputes, each of them served."""
+    expected_loss, expected, plain_calls = counted_step(model, **inputs)
+    handle = install(model, num_layers)
+    loss, grads, calls = counted_step(model, **inputs)
+    # A policy that keeps the kernel leaves none to skip.
+    assert calls[CPU_FORWARD] == max(plain_calls[CPU_FORWARD] - num_layers, 0)
+    assert (handle.recomputes_served, handle.num_kept, handle.released_without_backward) == (num_layers, 0, 0)
+    assert torch.equal(loss, expected_loss)
+    assert_same_grads(grads, expected)
+    return handle, plain_calls, calls
+
+
 def assert_same_grads(grads, expected):
     assert grads.keys() == expected.keys()
     for name, grad in grads.items():

@@ -249,3 +249,17 @@ def test_the_choice_follows_pytorchs_constraints():
     assert efficient(query, grouped, grouped, None, enable_gqa=True) == SDPBackend.MATH.value
     with pytest.raises(RuntimeError, match="a fused SDPA backend it can replay: .*got MATH on meta"):
         attention_stash._ops_for("meta", SDPBackend.MATH.value)
+
+
+def test_a_mask_preparation_without_the_kernel_call_is_refused():
+    """Where F.sdpa makes no call of the backend's kernel for the arguments (on the meta device it runs none of the
+    CUDA kernels), the comparison of the masks has nothing to compare with, and refuses, naming the backend."""
+    query = torch.empty(1, 4, 8, 16, device="meta", dtype=DTYPE)
+    mask = torch.empty(1, 1, 8, 8, device="meta", dtype=torch.bool)
+    ops = attention_stash._CudnnOps
+    bias = ops.prepare_mask(mask, query, query, query)
+    with pytest.raises(RuntimeError,
+                       match=r"needs its mask for cuDNN attention to be the one F.scaled_dot_product_attention passes "
+                       r"the kernel in torch .*, got another \(torch.bfloat16 \(1, 1, 8, 8\) against None \(\)\)"):
+        attention_stash._check_mask_preparation(ops, SDPBackend.CUDNN_ATTENTION.value, bias, query, query, query, mask,
+                                                False, None, False)

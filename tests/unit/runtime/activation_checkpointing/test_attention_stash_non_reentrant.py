@@ -20,8 +20,8 @@ import torch
 from deepspeed.runtime.activation_checkpointing import attention_stash
 
 from attention_stash_helpers import (CPU_BACKWARD, CPU_FORWARD, MODELS, NUM_LAYERS, CountOps, assert_same_grads,
-                                     batch_ids, checkpointed, counted_step, live_checkpoint_calls, llama_model,
-                                     mixtral_model, param_grads, qwen3_moe_model)
+                                     assert_served_as_plain, batch_ids, checkpointed, counted_step,
+                                     live_checkpoint_calls, llama_model, mixtral_model, param_grads, qwen3_moe_model)
 
 
 def _non_reentrant(model):
@@ -58,12 +58,7 @@ def test_padded_batch(install):
     mask = torch.ones_like(ids)
     mask[0, :9] = 0
     inputs = dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
-    expected_loss, expected, _ = counted_step(model, **inputs)
-    handle = install(model, NUM_LAYERS)
-    loss, grads, calls = counted_step(model, **inputs)
-    assert calls[CPU_FORWARD] == 0 and handle.recomputes_served == NUM_LAYERS
-    assert torch.equal(loss, expected_loss)
-    assert_same_grads(grads, expected)
+    assert_served_as_plain(model, NUM_LAYERS, install, **inputs)
 
 
 def test_dropped_no_grad_and_eval_forwards(install):
@@ -106,20 +101,6 @@ def test_second_backward_through_a_retained_graph_names_it(install):
         loss.backward()
 
 
-def _assert_served_as_plain(model, num_layers, install, **inputs):
-    """A step of ``model`` without and then with the stash on its last ``num_layers`` layers: the same loss and
-    gradients, bitwise, no attention forward kernel in the stashed layers' recomputes, each of them served."""
-    expected_loss, expected, plain_calls = counted_step(model, **inputs)
-    handle = install(model, num_layers)
-    loss, grads, calls = counted_step(model, **inputs)
-    # A policy that keeps the kernel leaves none to skip.
-    assert calls[CPU_FORWARD] == max(plain_calls[CPU_FORWARD] - num_layers, 0)
-    assert (handle.recomputes_served, handle.num_kept, handle.released_without_backward) == (num_layers, 0, 0)
-    assert torch.equal(loss, expected_loss)
-    assert_same_grads(grads, expected)
-    return handle, plain_calls, calls
-
-
 def _matmuls_saved():
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
@@ -132,7 +113,7 @@ def test_composes_with_a_selective_checkpointing_policy(install):
     ids = batch_ids()
     without_policy = counted_step(_non_reentrant(llama_model()), input_ids=ids, labels=ids)[2]
     model = checkpointed(llama_model(), use_reentrant=False, context_fn=_matmuls_saved)
-    _, plain_calls, calls = _assert_served_as_plain(model, NUM_LAYERS, install, input_ids=ids, labels=ids)
+    _, plain_calls, calls = assert_served_as_plain(model, NUM_LAYERS, install, input_ids=ids, labels=ids)
     # The policy is in force in the stashed model: its recomputes run no matmul forward it kept.
     assert calls["mm.default"] == plain_calls["mm.default"] < without_policy["mm.default"]
 
@@ -147,7 +128,7 @@ def test_a_policy_that_keeps_the_attention_kernel_too(install):
                          use_reentrant=False,
                          context_fn=lambda: create_selective_checkpoint_contexts([kernel]))
     ids = batch_ids()
-    handle, plain_calls, _ = _assert_served_as_plain(model, NUM_LAYERS, install, input_ids=ids, labels=ids)
+    handle, plain_calls, _ = assert_served_as_plain(model, NUM_LAYERS, install, input_ids=ids, labels=ids)
     # The policy is in force: without the stash, no recompute runs the kernel.
     assert plain_calls[CPU_FORWARD] == 0
     assert handle.peak_kept_bytes == NUM_LAYERS * attention_stash.attention_stash_layer_bytes(
@@ -159,10 +140,10 @@ def test_debug_checkpoint_is_served(install):
     error messages; the stash serves it, also when it is enabled after a served step."""
     model = _non_reentrant(mixtral_model())
     ids = batch_ids()
-    handle, _, _ = _assert_served_as_plain(model, 1, install, input_ids=ids, labels=ids)
+    handle, _, _ = assert_served_as_plain(model, 1, install, input_ids=ids, labels=ids)
     checkpointed(model, use_reentrant=False, debug=True)
     handle.remove()
-    _assert_served_as_plain(model, 1, install, input_ids=ids, labels=ids)
+    assert_served_as_plain(model, 1, install, input_ids=ids, labels=ids)
 
 
 def test_recompute_that_stops_at_the_nodes_saves(install):
@@ -173,7 +154,7 @@ def test_recompute_that_stops_at_the_nodes_saves(install):
     layer = model.model.layers[-1]
     layer.self_attn.o_proj = layer.post_attention_layernorm = layer.mlp = torch.nn.Identity()
     ids = batch_ids()
-    handle, _, _ = _assert_served_as_plain(model, NUM_LAYERS, install, input_ids=ids, labels=ids)
+    handle, _, _ = assert_served_as_plain(model, NUM_LAYERS, install, input_ids=ids, labels=ids)
     assert handle.kept_bytes == 0
     gc.collect()
     assert not live_checkpoint_calls()
