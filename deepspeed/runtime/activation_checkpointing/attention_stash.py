@@ -8,9 +8,10 @@ With per-layer activation checkpointing, the backward pass runs every decoder la
 is installed on, the attention stash keeps the first forward's attention output and log-sum-exp and hands them to the
 attention backward, so the recompute skips the attention forward kernel: one autograd node replays them, under
 reentrant and non-reentrant checkpointing alike. The memory cost is one attention output plus its log-sum-exp per
-stashed layer, from the layer's forward to its recompute.
+stashed layer, from the layer's forward to its recompute. Hugging Face's "sdpa" (PyTorch's fused SDPA kernels) and
+"flash_attention_2" (flash-attn 2's) attention implementations are served.
 
-transformers is imported lazily, by ``install_attention_stash``.
+transformers and flash-attn are imported lazily, by ``install_attention_stash``.
 """
 
 import inspect
@@ -486,6 +487,291 @@ def _mask_digest(mask):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# flash-attn 2, behind Hugging Face's "flash_attention_2": flash_attn_func for plain batches, flash_attn_varlen_func
+# for padded batches (unpadded first) and packed ones. flash-attn's own autograd functions (FlashAttnFunc and
+# FlashAttnVarlenFunc) pad the head dimension to a multiple of 8 inside their forward, save (query, key, value, padded
+# output, log-sum-exp, [cu_seqlens_q, cu_seqlens_k,] rng_state) and call flash-attn's backward op. The stash's nodes
+# below do the same, but for the forward kernel: the recompute's node returns the kept output.
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _flash_attn_interface():
+    """flash-attn's interface module, which the stash calls as flash-attn's autograd functions do; imported by the
+    install of a model with attn_implementation="flash_attention_2"."""
+    global _flash_attn
+    if _flash_attn is not None:
+        return _flash_attn
+    try:
+        from flash_attn import flash_attn_interface
+    except ImportError as error:
+        raise RuntimeError(f'{_FEATURE} needs flash-attn 2 (the flash_attn package) for attn_implementation='
+                           f'"flash_attention_2", got an import error: {error}. Install flash-attn 2, or load the '
+                           f'model with attn_implementation="sdpa".') from error
+    missing = [name for name in _FLASH_ATTN_ENTRY_POINTS if not hasattr(flash_attn_interface, name)]
+    if missing:
+        raise RuntimeError(f"{_FEATURE} needs flash-attn 2's interface as flash-attn 2.8 has it, got "
+                           f"flash_attn {getattr(sys.modules.get('flash_attn'), '__version__', '?')} without "
+                           f"{', '.join(missing)}. Install flash-attn 2.8, or load the model with "
+                           f"attn_implementation=\"sdpa\".")
+    _flash_attn = flash_attn_interface
+    return flash_attn_interface
+
+
+# flash_attn.flash_attn_interface, once the install of a flash_attention_2 model imported and checked it.
+_flash_attn = None
+
+# What the stash uses of flash_attn.flash_attn_interface.
+_FLASH_ATTN_ENTRY_POINTS = ("flash_attn_func", "flash_attn_varlen_func", "_wrapped_flash_attn_forward",
+                            "_wrapped_flash_attn_varlen_forward", "_wrapped_flash_attn_backward",
+                            "_wrapped_flash_attn_varlen_backward")
+
+
+class _FlashArguments:
+    """The arguments of one flash-attn call that its backward takes; the varlen ones are None for a plain batch."""
+
+    __slots__ = ("dropout_p", "softmax_scale", "causal", "window_size", "softcap", "alibi_slopes", "deterministic",
+                 "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "versions")
+
+    def __init__(self, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                 cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+        self.dropout_p = dropout_p
+        self.softmax_scale = softmax_scale
+        self.causal = causal
+        self.window_size = window_size
+        self.softcap = softcap
+        self.alibi_slopes = alibi_slopes
+        self.deterministic = deterministic
+        self.cu_seqlens_q = cu_seqlens_q
+        self.cu_seqlens_k = cu_seqlens_k
+        self.max_seqlen_q = max_seqlen_q
+        self.max_seqlen_k = max_seqlen_k
+        # The cu_seqlens' version counters now: a padding-free collator's reach both passes as the same tensors.
+        self.versions = None if cu_seqlens_q is None else (cu_seqlens_q._version, cu_seqlens_k._version)
+
+    def differing(self, other):
+        """The name of the first argument in which ``other`` differs from these; None for none. The cu_seqlens are
+        compared by value, or, where both passes got the same tensor, by its version counter: unchanged, it holds the
+        same values, without reading them from the device."""
+        for name in ("max_seqlen_q", "max_seqlen_k", "softmax_scale", "causal", "window_size", "softcap",
+                     "deterministic", "dropout_p"):
+            if getattr(self, name) != getattr(other, name):
+                return name
+        if self.alibi_slopes is not other.alibi_slopes:
+            return "alibi_slopes"
+        if self.versions is not None:
+            for name, version in zip(("cu_seqlens_q", "cu_seqlens_k"), self.versions):
+                ours, theirs = getattr(self, name), getattr(other, name)
+                if ours is theirs:
+                    if theirs._version != version:
+                        return f"{name} (changed in place)"
+                elif ours.shape != theirs.shape or not torch.equal(ours, theirs):
+                    return name
+        return None
+
+
+def _pad_head_dim(tensors):
+    """The tensors zero-padded to a head dimension that is a multiple of 8, as flash-attn's autograd functions pad
+    them (not differentiably: their backward slices the gradients)."""
+    head_dim = tensors[0].shape[-1]
+    if head_dim % 8 == 0:
+        return tensors
+    return [F.pad(tensor, [0, 8 - head_dim % 8]) for tensor in tensors]
+
+
+class _StashedFlashAttention(torch.autograd.Function):
+    """The recompute's node for one flash-attn call, one subclass per flash-attn function: as flash-attn's autograd
+    function, its forward pads the head dimension and saves what that function saves, in its order, and its backward
+    is that function's, call for call; but its forward returns the kept output. Under non-reentrant checkpointing the
+    first pass's flash-attn node runs the backward, its saves filled by this node's."""
+
+    # Which saves of flash-attn's function the stash keeps: positions in its saved tensors.
+    saves = 0
+
+    @staticmethod
+    def forward(ctx, query, key, value, kept, arguments):
+        head_dim = query.shape[-1]
+        if query.requires_grad or key.requires_grad or value.requires_grad:
+            query, key, value = _pad_head_dim((query, key, value))
+            lse, rng_state = kept.tensors
+            if arguments.cu_seqlens_q is None:
+                ctx.save_for_backward(query, key, value, kept.output, lse, rng_state)
+            else:
+                ctx.save_for_backward(query, key, value, kept.output, lse, arguments.cu_seqlens_q,
+                                      arguments.cu_seqlens_k, rng_state)
+            ctx.arguments = arguments
+        return kept.output[..., :head_dim]
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        # As for _StashedAttention: apply without functorch's handling, which the stash refuses.
+        cls.replay = super(torch.autograd.Function, cls).apply
+
+
+class _FlashAttnOps(_StashedFlashAttention):
+    """flash-attn 2's flash_attn_func (FlashAttnFunc), for plain batches."""
+
+    name = "flash-attn 2 (flash_attn_func)"
+    function = "flash_attn_func"
+    saves = 6
+
+    @staticmethod
+    def kept_bytes(batch, heads, sequence, head_dim, dtype):
+        # The output at the head dimension padded to a multiple of 8, and an FP32 log-sum-exp of [batch, heads,
+        # sequence]; varlen's of [heads, total tokens] is as large for batch x sequence tokens.
+        return batch * heads * sequence * ((head_dim + -head_dim % 8) * dtype.itemsize + 4)
+
+    @staticmethod
+    def kernel(query, key, value, arguments):
+        """FlashAttnFunc's forward kernel call, on its padded query, key and value: (padded output, log-sum-exp,
+        rng_state)."""
+        out, lse, _, rng_state = _flash_attn._wrapped_flash_attn_forward(query,
+                                                                         key,
+                                                                         value,
+                                                                         arguments.dropout_p,
+                                                                         arguments.softmax_scale,
+                                                                         causal=arguments.causal,
+                                                                         window_size_left=arguments.window_size[0],
+                                                                         window_size_right=arguments.window_size[1],
+                                                                         softcap=arguments.softcap,
+                                                                         alibi_slopes=arguments.alibi_slopes,
+                                                                         return_softmax=False)
+        return out, lse, rng_state
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, key, value, out, lse, rng_state = ctx.saved_tensors
+        arguments = ctx.arguments
+        grad_query, grad_key, grad_value = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+        head_dim = grad_out.shape[-1]
+        (grad_out_padded, ) = _pad_head_dim((grad_out, ))
+        _flash_attn._wrapped_flash_attn_backward(grad_out_padded,
+                                                 query,
+                                                 key,
+                                                 value,
+                                                 out,
+                                                 lse,
+                                                 grad_query,
+                                                 grad_key,
+                                                 grad_value,
+                                                 arguments.dropout_p,
+                                                 arguments.softmax_scale,
+                                                 arguments.causal,
+                                                 arguments.window_size[0],
+                                                 arguments.window_size[1],
+                                                 arguments.softcap,
+                                                 arguments.alibi_slopes,
+                                                 arguments.deterministic,
+                                                 rng_state=rng_state)
+        return grad_query[..., :head_dim], grad_key[..., :head_dim], grad_value[..., :head_dim], None, None
+
+
+class _FlashAttnVarlenOps(_StashedFlashAttention):
+    """flash-attn 2's flash_attn_varlen_func (FlashAttnVarlenFunc), for padded batches, unpadded, and packed ones."""
+
+    name = "flash-attn 2 (flash_attn_varlen_func)"
+    function = "flash_attn_varlen_func"
+    saves = 8
+    kept_bytes = _FlashAttnOps.kept_bytes
+
+    @staticmethod
+    def kernel(query, key, value, arguments):
+        """FlashAttnVarlenFunc's forward kernel call, on its padded query, key and value: (padded output,
+        log-sum-exp, rng_state)."""
+        out, lse, _, rng_state = _flash_attn._wrapped_flash_attn_varlen_forward(
+            query,
+            key,
+            value,
+            arguments.cu_seqlens_q,
+            arguments.cu_seqlens_k,
+            arguments.max_seqlen_q,
+            arguments.max_seqlen_k,
+            arguments.dropout_p,
+            arguments.softmax_scale,
+            causal=arguments.causal,
+            window_size_left=arguments.window_size[0],
+            window_size_right=arguments.window_size[1],
+            softcap=arguments.softcap,
+            alibi_slopes=arguments.alibi_slopes,
+            return_softmax=False,
+            block_table=None)
+        return out, lse, rng_state
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, key, value, out, lse, cu_seqlens_q, cu_seqlens_k, rng_state = ctx.saved_tensors
+        arguments = ctx.arguments
+        grad_query, grad_key, grad_value = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+        head_dim = grad_out.shape[-1]
+        (grad_out_padded, ) = _pad_head_dim((grad_out, ))
+        _flash_attn._wrapped_flash_attn_varlen_backward(grad_out_padded,
+                                                        query,
+                                                        key,
+                                                        value,
+                                                        out,
+                                                        lse,
+                                                        grad_query,
+                                                        grad_key,
+                                                        grad_value,
+                                                        cu_seqlens_q,
+                                                        cu_seqlens_k,
+                                                        arguments.max_seqlen_q,
+                                                        arguments.max_seqlen_k,
+                                                        arguments.dropout_p,
+                                                        arguments.softmax_scale,
+                                                        arguments.causal,
+                                                        arguments.window_size[0],
+                                                        arguments.window_size[1],
+                                                        arguments.softcap,
+                                                        arguments.alibi_slopes,
+                                                        arguments.deterministic,
+                                                        rng_state=rng_state)
+        return grad_query[..., :head_dim], grad_key[..., :head_dim], grad_value[..., :head_dim], None, None
+
+
+def _identity(tensor):
+    return tensor
+
+
+def _flash_with_grad(ops, query, key, value, arguments):
+    """Call flash-attn's function itself with grad, as a non-reentrant checkpoint's first pass does, leaving its
+    autograd node in the graph: (its output, and the padded output, log-sum-exp and rng_state that node saves).
+
+    A recording pack hook in front of the saved-tensor hooks in force (the checkpoint's) notes the node's saves;
+    they are flash-attn's, in its order, and the padded output is the one whose slice the function returned."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    pack, unpack = hooks if hooks is not None else (_identity, _identity)
+    saved = []
+
+    def recording_pack(tensor):
+        saved.append(tensor)
+        return pack(tensor)
+
+    function = getattr(_flash_attn, ops.function)
+    varlen = () if arguments.cu_seqlens_q is None else (arguments.cu_seqlens_q, arguments.cu_seqlens_k,
+                                                        arguments.max_seqlen_q, arguments.max_seqlen_k)
+    with torch.autograd.graph.saved_tensors_hooks(recording_pack, unpack):
+        out = function(query,
+                       key,
+                       value,
+                       *varlen,
+                       dropout_p=arguments.dropout_p,
+                       softmax_scale=arguments.softmax_scale,
+                       causal=arguments.causal,
+                       window_size=arguments.window_size,
+                       softcap=arguments.softcap,
+                       alibi_slopes=arguments.alibi_slopes,
+                       deterministic=arguments.deterministic)
+    if len(saved) != ops.saves or out._base is not saved[3]:
+        got = (f"{len(saved)} saved tensors"
+               if len(saved) != ops.saves else "an output that is not a slice of the fourth saved tensor")
+        raise RuntimeError(f"{_FEATURE} needs the autograd node of {ops.name} to save {ops.saves} tensors and "
+                           f"return a slice of the fourth, the padded output, as flash-attn 2.8 does, got {got} in "
+                           f"flash_attn {getattr(sys.modules.get('flash_attn'), '__version__', '?')}. Use reentrant "
+                           f"checkpointing (use_reentrant=True) with the stash on this flash-attn.")
+    return out, saved[3], saved[4], saved[-1]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # One checkpoint call of a stashed layer.
 # ---------------------------------------------------------------------------------------------------------------------
 
@@ -632,9 +918,7 @@ class _CheckpointCall:
             query, key, value = (F.pad(t, (0, -t.shape[-1] % ops.head_dim_multiple)) for t in (query, key, value))
         grad_enabled = torch.is_grad_enabled()
         if grad_enabled and torch._C._are_functorch_transforms_active():
-            raise RuntimeError(f"{_FEATURE} needs the training forwards of {self.stash.name} to run under autograd "
-                               f"alone, got a torch.func transform (grad, vjp, vmap, jacrev). Remove the stash, or "
-                               f"take gradients with backward() rather than torch.func.")
+            self._raise_functorch()
         if self.passes == 1:
             if grad_enabled:
                 # A non-reentrant checkpoint: the kernel's own autograd node records this pass's graph and runs the
@@ -650,12 +934,7 @@ class _CheckpointCall:
             kept.append(_Kept(ops, output, tensors, scalars, nbytes, out._version, order))
             self.stash.counters.add(nbytes)
         else:
-            if entry.output._version != entry.version:
-                raise RuntimeError(f"{_FEATURE} needs the attention output of {self.stash.name} unchanged from its "
-                                   f"forward to its recompute, got an in-place change of it (or of a view of it) in "
-                                   f"the forward. Change a copy of the attention output, or remove the stash from "
-                                   f"this layer.")
-            kept[index] = None
+            self._take(entry, index)
             try:
                 out = ops.replay(query, key, value, bias, entry, is_causal, scale)
             except _StopRecomputationError:
@@ -668,7 +947,16 @@ class _CheckpointCall:
             self.stash.counters.served(entry.nbytes)
         return out[..., :head_dim] if head_dim else out
 
-    def _raise_unlike_forward(self, entry, ops, query, index, device_type, choice):
+    def _take(self, entry, index):
+        """Take the kept entry of attention call ``index`` for its recompute; raises for an output changed since."""
+        if entry.output._version != entry.version:
+            raise RuntimeError(f"{_FEATURE} needs the attention output of {self.stash.name} unchanged from its "
+                               f"forward to its recompute, got an in-place change of it (or of a view of it) in "
+                               f"the forward. Change a copy of the attention output, or remove the stash from "
+                               f"this layer.")
+        self.kept[index] = None
+
+    def _raise_unlike_forward(self, entry, ops, query, index, device_type=None, choice=None):
         """Raise for a recompute's attention call that differs from its forward's in dtype or backend."""
         if entry is not None and entry.output.dtype != query.dtype:
             raise RuntimeError(f"{_FEATURE} needs the recompute of {self.stash.name} to run attention in its "
@@ -679,10 +967,97 @@ class _CheckpointCall:
                                f"Hugging Face does by default, or train without autocast.")
         if ops is None:
             _ops_for(device_type, choice)
-        raise RuntimeError(f"{_FEATURE} needs one SDPA backend for both passes of {self.stash.name}, got "
+        raise RuntimeError(f"{_FEATURE} needs one attention kernel for both passes of {self.stash.name}, got "
                            f"{entry.ops.name if entry else 'none'} in the forward and {ops.name} in the recompute "
                            f"(attention call {index + 1}). Keep sdpa_kernel contexts, deterministic-algorithm "
-                           f"settings and a layer's attention calls the same for a forward and its backward.")
+                           f"settings, a batch's packing and a layer's attention calls the same for a forward and "
+                           f"its backward.")
+
+    def flash(self, query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+              softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
+              block_table):
+        """flash-attn 2's flash_attn_func (``cu_seqlens_q`` None) or flash_attn_varlen_func for one attention call of
+        the layer, with the arguments Hugging Face gave it: the first pass runs the forward kernel flash-attn's
+        autograd function would run and keeps its padded output, log-sum-exp and rng_state, the recompute's call of
+        the same index returns the output from a node whose backward is that function's. Under non-reentrant
+        checkpointing the first pass calls flash-attn's function itself, whose node records the graph and runs the
+        backward, and keeps what that node saves; the recompute's node saves the same, for the checkpoint to fill its
+        saved tensors."""
+        index = self.calls
+        self.calls = index + 1
+        ops = _FlashAttnOps if cu_seqlens_q is None else _FlashAttnVarlenOps
+        if (dropout_p != 0.0 or return_attn_probs or block_table is not None or alibi_slopes is not None
+                or isinstance(softcap, torch.Tensor)):
+            self._check_flash_arguments(dropout_p, return_attn_probs, block_table, alibi_slopes, softcap)
+        if softmax_scale is None:
+            # As flash-attn's autograd functions: from the head dimension before padding.
+            softmax_scale = query.shape[-1]**(-0.5)
+        arguments = _FlashArguments(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                    deterministic, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        grad_enabled = torch.is_grad_enabled()
+        if grad_enabled and torch._C._are_functorch_transforms_active():
+            self._raise_functorch()
+        kept = self.kept
+        if self.passes == 1:
+            if grad_enabled and (query.requires_grad or key.requires_grad or value.requires_grad):
+                out, output, lse, rng_state = _flash_with_grad(ops, query, key, value, arguments)
+            else:
+                output, lse, rng_state = ops.kernel(*_pad_head_dim((query, key, value)), arguments)
+                out = output[..., :query.shape[-1]]
+            nbytes = output.nbytes + lse.nbytes
+            kept.append(_Kept(ops, output, (lse, rng_state), arguments, nbytes, output._version, None))
+            self.stash.counters.add(nbytes)
+            return out
+        entry = kept[index] if index < len(kept) else None
+        if entry is None or entry.ops is not ops or entry.output.dtype != query.dtype:
+            self._raise_unlike_forward(entry, ops, query, index)
+        differing = entry.scalars.differing(arguments)
+        if differing is not None:
+            self._release()
+            if differing.startswith(("cu_seqlens", "max_seqlen")):
+                fix = ("Keep the batch's packing, padding, position_ids and cu_seq_lens the same from a forward to "
+                       "its backward")
+            else:
+                fix = ("Keep flash-attn's settings (FLASH_ATTENTION_DETERMINISTIC, a layer's softcap, window and "
+                       "scale) the same from a forward to its backward")
+            raise RuntimeError(f"{_FEATURE} needs the recompute of {self.stash.name} to call {ops.name} with its "
+                               f"forward's arguments, got another {differing} (attention call {index + 1}): the "
+                               f"kept output is the forward's. {fix}.")
+        self._take(entry, index)
+        try:
+            out = ops.replay(query, key, value, entry, arguments)
+        except _StopRecomputationError:
+            self.stash.counters.served(entry.nbytes)
+            raise
+        except BaseException:
+            self.stash.counters.released(entry.nbytes)
+            raise
+        self.stash.counters.served(entry.nbytes)
+        return out
+
+    def _check_flash_arguments(self, dropout_p, return_attn_probs, block_table, alibi_slopes, softcap):
+        """The guards of a flash-attn call with an argument other than Hugging Face's training defaults."""
+        if dropout_p != 0.0:
+            raise RuntimeError(f"{_FEATURE} needs attention dropout 0 in {self.stash.name}, got {dropout_p}. Set the "
+                               f"model config's attention_dropout to 0.0, or remove the stash.")
+        if return_attn_probs or block_table is not None:
+            raise RuntimeError(f"{_FEATURE} needs flash-attn calls that return the attention output alone, without a "
+                               f"block table, in {self.stash.name}, got "
+                               f"{'return_attn_probs=True' if return_attn_probs else 'a block_table'}. Remove the "
+                               f"stash from this layer.")
+        if isinstance(alibi_slopes, torch.Tensor) and alibi_slopes.requires_grad:
+            raise RuntimeError(f"{_FEATURE} needs ALiBi slopes that do not require grad in {self.stash.name}, got "
+                               f"learned ones, whose gradient flash-attn does not compute. Remove the stash from "
+                               f"layers with learned ALiBi slopes.")
+        if isinstance(softcap, torch.Tensor):
+            raise RuntimeError(f"{_FEATURE} needs a softcap that is a number in {self.stash.name}, got a tensor"
+                               f"{' that requires grad (a learned softcap)' if softcap.requires_grad else ''}, which "
+                               f"flash-attn's kernels take as a constant. Remove the stash from this layer.")
+
+    def _raise_functorch(self):
+        raise RuntimeError(f"{_FEATURE} needs the training forwards of {self.stash.name} to run under autograd "
+                           f"alone, got a torch.func transform (grad, vjp, vmap, jacrev). Remove the stash, or "
+                           f"take gradients with backward() rather than torch.func.")
 
     def _check_arguments(self, attn_mask, dropout_p, index):
         """The guards of an attention call that has dropout or a mask (or whose layer had a mask in the first pass);
@@ -774,6 +1149,8 @@ class _LayerStash:
 
     def __init__(self, name, layer, model, config, counters):
         self.name = name
+        # The attention implementation served, Hugging Face's name for it.
+        self.implementation = config._attn_implementation
         self.layer = weakref.ref(layer)
         # The layer's modules at the install: only their attention calls are the layer's, not those of a model that
         # a hook inside the layer runs.
@@ -828,35 +1205,39 @@ class _LayerStash:
                            f"{_CHECKPOINTING_HINT}, or put the model in eval mode or "
                            f"torch.no_grad() for forwards without a backward.{stashable}")
 
+    def raise_other_implementation(self, implementation):
+        """Raise for an attention call of the layer through another implementation than the install's."""
+        raise RuntimeError(f'{_FEATURE} needs {self.name} to call attention with attn_implementation='
+                           f'"{self.implementation}", as at the install, in each forward, got a forward with '
+                           f'"{implementation}". Remove the stash before switching the attention implementation, '
+                           f'and stash only layers with softmax attention.')
+
     def raise_without_attention_call(self, reached):
         """Raise for a checkpointed forward of the layer that made no attention call the stash ran; ``reached``:
         whether the layer's attention reached the stash's sdpa entry."""
-        implementation = self.config._attn_implementation
-        if implementation != "sdpa":
-            raise RuntimeError(f'{_FEATURE} needs {self.name} to call attention with attn_implementation="sdpa" in '
-                               f'each forward, got a forward without an sdpa call (attn_implementation '
-                               f'"{implementation}"). Remove the stash before switching the attention '
-                               f'implementation, and stash only layers with softmax attention.')
+        implementation = self.implementation
+        if self.config._attn_implementation != implementation:
+            self.raise_other_implementation(self.config._attn_implementation)
         # An active stash's install holds the entry.
-        hold = _held
+        hold = _held.entries[implementation]
         if reached:
-            raise RuntimeError(f"{_FEATURE} needs the sdpa attention function to call "
-                               f"torch.nn.functional.scaled_dot_product_attention in each forward of {self.name}, "
-                               f"got a forward in which {hold.original!r}, the function the stash serves, did not. "
-                               f"Remove the stash from this layer.")
-        entry = hold.attention_functions.get("sdpa")
+            kernel = _KERNEL_CALLED[implementation]
+            raise RuntimeError(f"{_FEATURE} needs the {implementation} attention function to call {kernel} in each "
+                               f"forward of {self.name}, got a forward in which {hold.original!r}, the function the "
+                               f"stash serves, did not. Remove the stash from this layer.")
+        entry = _held.attention_functions.get(implementation)
         if entry is not hold.front:
-            raise RuntimeError(f'{_FEATURE} needs the attention of {self.name} to reach the sdpa entry it installed '
-                               f'in {_INTERFACE}, got {entry!r} in {_INTERFACE}["sdpa"], put there after the install '
-                               f'in place of {hold.front!r} without calling the entry it replaced (a registration, or '
-                               f'undoing one, such as DeepSpeed Ulysses sequence parallelism\'s). Register attention '
-                               f'functions before installing the stash, or remove the stash before changing that '
-                               f'entry.')
+            raise RuntimeError(f'{_FEATURE} needs the attention of {self.name} to reach the {implementation} entry '
+                               f'it installed in {_INTERFACE}, got {entry!r} in {_INTERFACE}["{implementation}"], put '
+                               f'there after the install in place of {hold.front!r} without calling the entry it '
+                               f'replaced (a registration, or undoing one, such as DeepSpeed Ulysses sequence '
+                               f'parallelism\'s). Register attention functions before installing the stash, or remove '
+                               f'the stash before changing that entry.')
         if hold.place.function() is not hold.entry:
-            raise RuntimeError(f'{_FEATURE} needs the attention of {self.name} to reach the sdpa entry it installed '
-                               f'as {hold.place.description}, got {hold.place.function()!r} there, put there after '
-                               f'the install without calling the entry it replaced. Set that function before '
-                               f'installing the stash, or remove the stash before changing it.')
+            raise RuntimeError(f'{_FEATURE} needs the attention of {self.name} to reach the {implementation} entry '
+                               f'it installed as {hold.place.description}, got {hold.place.function()!r} there, put '
+                               f'there after the install without calling the entry it replaced. Set that function '
+                               f'before installing the stash, or remove the stash before changing it.')
         raise RuntimeError(f"{_FEATURE} needs the attention modules of {self.name} to call Hugging Face's attention "
                            f"interface with themselves as its module, got a forward without such a call (an attention "
                            f"module replaced after the install, or one that calls attention another way). Install "
@@ -881,17 +1262,26 @@ _ENTRIES = weakref.WeakKeyDictionary()
 
 class _Hold:
     """What the stash changed in Hugging Face's objects, to undo: the layer class that has the checkpoint-function
-    slot, and the place whose function the stash's entry replaced (see _entry_place)."""
+    slot, and for each attention implementation served, its _Entry."""
 
-    def __init__(self, layer_class, attention_functions, place, original, entry):
+    def __init__(self, layer_class, attention_functions):
         self.layer_class = layer_class
         self.attention_functions = attention_functions
+        self.class_attribute = layer_class.__dict__.get(_CHECKPOINT_FUNCTION, _MISSING)
+        self.entries = {}
+
+
+class _Entry:
+    """The stash's entry for one attention implementation: the place whose function it replaced (see _entry_place),
+    that function, and the entry."""
+
+    def __init__(self, place, original, entry):
         self.place = place
         self.original = original
         self.entry = entry
-        # What the interface's "sdpa" lookup returns with the entry in place: the entry, or a wrapper in front of it.
+        # What the interface's lookup of the implementation returns with the entry in place: the entry, or a wrapper
+        # in front of it.
         self.front = None
-        self.class_attribute = layer_class.__dict__.get(_CHECKPOINT_FUNCTION, _MISSING)
 
 
 class _CheckpointFunctionSlot:
@@ -949,6 +1339,43 @@ def _attention_of_current_call(query,
     return _state.call.sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
 
 
+def _flash_of_current_call(q,
+                           k,
+                           v,
+                           dropout_p=0.0,
+                           softmax_scale=None,
+                           causal=False,
+                           window_size=(-1, -1),
+                           softcap=0.0,
+                           alibi_slopes=None,
+                           deterministic=False,
+                           return_attn_probs=False):
+    # flash_attn_func's signature.
+    return _state.call.flash(q, k, v, None, None, None, None, dropout_p, softmax_scale, causal, window_size, softcap,
+                             alibi_slopes, deterministic, return_attn_probs, None)
+
+
+def _flash_varlen_of_current_call(q,
+                                  k,
+                                  v,
+                                  cu_seqlens_q,
+                                  cu_seqlens_k,
+                                  max_seqlen_q,
+                                  max_seqlen_k,
+                                  dropout_p=0.0,
+                                  softmax_scale=None,
+                                  causal=False,
+                                  window_size=(-1, -1),
+                                  softcap=0.0,
+                                  alibi_slopes=None,
+                                  deterministic=False,
+                                  return_attn_probs=False,
+                                  block_table=None):
+    # flash_attn_varlen_func's signature.
+    return _state.call.flash(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                             causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs, block_table)
+
+
 def _names_read(function):
     """The names a function's code and the functions defined in it read, attributes and globals alike: those defined
     in it run with its globals too."""
@@ -960,11 +1387,23 @@ def _names_read(function):
     return names
 
 
-def _stashing_copy(function, where):
+def _copy_with(function, entries):
+    """A copy of ``function`` whose module globals are a snapshot of its module's, with ``entries`` in front: every
+    other name resolves at dictionary speed, as in the original."""
+    copy = types.FunctionType(function.__code__, {
+        **function.__globals__,
+        **entries
+    }, function.__name__, function.__defaults__, function.__closure__)
+    copy.__kwdefaults__ = function.__kwdefaults__
+    return copy
+
+
+def _sdpa_copy(function, where):
     """A copy of Hugging Face's sdpa function that runs its code unchanged, but for one name: where its code reaches
     F.scaled_dot_product_attention through a module global (``torch``, ``torch.nn``, ``F`` or the function itself),
-    the copy reaches the current checkpoint call's ``attention``. Grouped heads, causality, masks, cropping and output
-    post-processing stay Hugging Face's, for any transformers version, at the cost of one Python call."""
+    the copy reaches the current checkpoint call's ``sdpa``. Grouped heads, causality, masks, cropping and output
+    post-processing stay Hugging Face's, for any transformers version, at the cost of one Python call. Returns the
+    copy and the functions whose module globals it snapshots."""
     functional = _module_view(F, scaled_dot_product_attention=_attention_of_current_call)
     nn = _module_view(torch.nn, functional=functional)
     views = {
@@ -973,7 +1412,6 @@ def _stashing_copy(function, where):
         id(F): functional,
         id(_SDPA): _attention_of_current_call
     }
-    code = getattr(function, "__code__", None)
     module_globals = getattr(function, "__globals__", None)
     names = _names_read(function)
     entries = {name: views[id(module_globals[name])] for name in names if id(module_globals.get(name)) in views}
@@ -982,44 +1420,87 @@ def _stashing_copy(function, where):
                            f"torch.nn.functional.scaled_dot_product_attention in its own code, as {where}, got "
                            f"{function!r}, which does not (a wrapper around another attention function, or another "
                            f"kernel). Install the stash before wrapping or replacing that entry.")
-    # A snapshot of the module's globals, so that every other name resolves at dictionary speed as in the original.
-    copy = types.FunctionType(code, {
-        **module_globals,
-        **entries
-    }, function.__name__, function.__defaults__, function.__closure__)
-    copy.__kwdefaults__ = function.__kwdefaults__
-    return copy
+    return _copy_with(function, entries), (function, )
 
 
-def _stashing_entry(original, where):
-    """The function the stash puts in Hugging Face's interface as its "sdpa" entry, in front of ``original``.
+def _flash_copy(function, where):
+    """A copy of Hugging Face's flash_attention_2 function (flash_attention_forward) that runs its code unchanged,
+    but where it calls _flash_attention_forward, the copy calls a copy of that whose lazy_import_flash_attention
+    hands out the current checkpoint call's ``flash`` in place of flash-attn's flash_attn_func and
+    flash_attn_varlen_func. Unpadding, packing (cu_seqlens from a padding-free collator or from position_ids), sliding
+    windows and softcapping stay Hugging Face's. Returns the copy and the functions whose module globals it
+    snapshots."""
+    inner = getattr(function, "__globals__", {}).get("_flash_attention_forward")
+    if ("_flash_attention_forward" not in _names_read(function)
+            or "lazy_import_flash_attention" not in _names_read(inner)
+            or not callable(inner.__globals__.get("lazy_import_flash_attention"))):
+        raise RuntimeError(f"{_FEATURE} needs Hugging Face's flash_attention_2 attention function, which calls "
+                           f"flash-attn through transformers.modeling_flash_attention_utils._flash_attention_forward, "
+                           f"as {where}, got {function!r}, which does not (a wrapper around another attention "
+                           f"function, or another kernel). Install the stash before wrapping or replacing that entry.")
+    lazy_import = partial(_stashing_flash_import, inner.__globals__["lazy_import_flash_attention"])
+    inner_copy = _copy_with(inner, {"lazy_import_flash_attention": lazy_import})
+    return _copy_with(function, {"_flash_attention_forward": inner_copy}), (function, inner)
+
+
+def _stashing_flash_import(lazy_import, implementation, *args, **kwargs):
+    """Hugging Face's lazy_import_flash_attention for a stashed call: what it returns, with flash-attn's
+    flash_attn_func and flash_attn_varlen_func replaced by the current checkpoint call's."""
+    (function, varlen_function, *others), processors = lazy_import(implementation, *args, **kwargs)
+    if function is not _flash_attn.flash_attn_func or varlen_function is not _flash_attn.flash_attn_varlen_func:
+        raise RuntimeError(f"{_FEATURE} needs Hugging Face's flash_attention_2 to call flash-attn 2's "
+                           f"flash_attn_func and flash_attn_varlen_func, whose kernels it replays, got "
+                           f"{function!r} and {varlen_function!r} (another flash attention package, a hub kernel, or "
+                           f"an NPU build). Train without the stash, or load the model with "
+                           f"attn_implementation=\"sdpa\".")
+    return (_flash_of_current_call, _flash_varlen_of_current_call, *others), processors
+
+
+# Each served attention implementation, to how the stash copies Hugging Face's function for it, and to the kernel
+# function that copy calls.
+_COPIES = {"sdpa": _sdpa_copy, "flash_attention_2": _flash_copy}
+_KERNEL_CALLED = {
+    "sdpa": "torch.nn.functional.scaled_dot_product_attention",
+    "flash_attention_2": "flash-attn's flash_attn_func or flash_attn_varlen_func"
+}
+
+
+def _stashing_entry(original, where, implementation):
+    """The function the stash puts in Hugging Face's interface as its entry for ``implementation``, in front of
+    ``original``.
 
     An attention module of a stashed layer, called inside the layer's checkpoint call, runs the stash's copy of
-    ``original``; every other call runs ``original`` itself. It keeps doing so after the stash lets go of the entry,
-    for a library that wrapped it meanwhile: after the removal, that wrapper calls what it would have called without
-    the stash. Raises, before anything is changed, where ``original`` cannot be served.
+    ``original`` (see _COPIES); every other call runs ``original`` itself. It keeps doing so after the stash lets go
+    of the entry, for a library that wrapped it meanwhile: after the removal, that wrapper calls what it would have
+    called without the stash. Raises, before anything is changed, where ``original`` cannot be served.
 
     The copy's globals are a snapshot of its module's: where a name it reads there changes later (a library's patch
     of ``repeat_kv``, ``mock.patch``), the next call makes a new copy, so that it runs what the original would."""
-    copy = _stashing_copy(original, where)
-    module_globals = original.__globals__
-    # The module globals the copy reads, and their values when it was made (a tuple of them; one value for one name).
-    read = operator.itemgetter(*(name for name in _names_read(original) if name in module_globals))
-    values = read(module_globals)
+    make_copy = _COPIES[implementation]
+    copy, sources = make_copy(original, where)
+    # The module globals each copied function reads, and their values when the copy was made.
+    watched = []
+    for source in sources:
+        names = [name for name in _names_read(source) if name in source.__globals__]
+        if names:
+            watched.append((source.__globals__, operator.itemgetter(*names)))
+    values = [read(module_globals) for module_globals, read in watched]
 
-    def stashing_sdpa(module, *args, **kwargs):
+    def stashing_entry(module, *args, **kwargs):
         nonlocal copy, values
         call = _state.call
         if call is not None and module in call.stash.modules:
             if call.stash.active:
+                if call.stash.implementation != implementation:
+                    call.stash.raise_other_implementation(implementation)
                 call.reached = True
                 try:
-                    now = read(module_globals)
+                    now = [read(module_globals) for module_globals, read in watched]
                 except KeyError:
                     # A global deleted since: the copy's code then fails as the original's would.
                     now = None
-                if now is not values and now != values:
-                    copy, values = _stashing_copy(original, where), now
+                if now != values:
+                    copy, values = make_copy(original, where)[0], now
                 return copy(module, *args, **kwargs)
             # The recompute of a forward that ran before its stash's removal: stock, as the removal promises.
             return original(module, *args, **kwargs)
@@ -1030,8 +1511,8 @@ def _stashing_entry(original, where):
                 stash.raise_outside_checkpoint()
         return original(module, *args, **kwargs)
 
-    _ENTRIES[stashing_sdpa] = original
-    return stashing_sdpa
+    _ENTRIES[stashing_entry] = original
+    return stashing_entry
 
 
 class _Place:
@@ -1067,24 +1548,24 @@ def _ulysses_attention(function):
     return None
 
 
-def _entry_place(attention_functions):
-    """Where the stash's entry goes: the "sdpa" entry of the mapping that Hugging Face's lookups read (the
+def _entry_place(attention_functions, implementation):
+    """Where the stash's entry goes: the implementation's entry of the mapping that Hugging Face's lookups read (the
     interface's local mapping where it has one there, else its library-wide one, which AttentionInterface.register
     writes), so that a later registration replaces it as it would replace the original. Where DeepSpeed's Ulysses
     sequence parallelism has put its wrapper there, the wrapper stays in front, and the stash's entry goes behind it,
     in place of the core attention function the wrapper calls on the gathered sequence."""
     local = getattr(attention_functions, "_local_mapping", None)
     shared = getattr(type(attention_functions), "_global_mapping", None)
-    if isinstance(local, dict) and isinstance(shared, dict) and "sdpa" not in local:
+    if isinstance(local, dict) and isinstance(shared, dict) and implementation not in local:
         mapping = shared
     else:
         mapping = local if isinstance(local, dict) else attention_functions
-    ulysses = _ulysses_attention(mapping["sdpa"])
+    ulysses = _ulysses_attention(mapping[implementation])
     if ulysses is not None:
         return _Place(
             vars(ulysses), "attn", f"the core attention function of DeepSpeed's Ulysses sequence parallelism "
-            f"(UlyssesSPAttentionHF.attn, behind {_INTERFACE}[\"sdpa\"])")
-    return _Place(mapping, "sdpa", f"{_INTERFACE}[\"sdpa\"]")
+            f"(UlyssesSPAttentionHF.attn, behind {_INTERFACE}[\"{implementation}\"])")
+    return _Place(mapping, implementation, f"{_INTERFACE}[\"{implementation}\"]")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -1205,7 +1686,7 @@ def _positive_int(source, *names):
     return None
 
 
-def _attention_geometry(module):
+def _attention_geometry(module, implementation="sdpa"):
     """(query heads, key/value heads, head dimension of the attention output) of an attention module, from its own
     attributes first and its config's next, under the names transformers' families give them; None where they do
     not tell."""
@@ -1214,9 +1695,11 @@ def _attention_geometry(module):
              or _positive_int(config, "num_attention_heads"))
     if heads is None:
         return None
-    # Multi-head latent attention (DeepSeek) has a value head dimension of its own, the output's.
-    head_dim = (_positive_int(module, "v_head_dim", "head_dim", "head_size", "attention_head_size")
-                or _positive_int(config, "v_head_dim", "head_dim"))
+    # Multi-head latent attention (DeepSeek) has a value head dimension of its own, the output's under sdpa; for
+    # flash-attn, Hugging Face pads the value to the query's head dimension, the output's there.
+    first = "qk_head_dim" if implementation == "flash_attention_2" else "v_head_dim"
+    head_dim = (_positive_int(module, first, "head_dim", "head_size", "attention_head_size")
+                or _positive_int(config, first, "head_dim"))
     if head_dim is None:
         hidden = _positive_int(config, "hidden_size")
         head_dim = hidden // heads if hidden and hidden % heads == 0 else None
@@ -1229,12 +1712,12 @@ def _attention_geometry(module):
     return heads, key_heads, head_dim
 
 
-def _attention_calls(name, modules):
+def _attention_calls(name, modules, implementation="sdpa"):
     """(query heads, key/value heads, head dimension) of each attention call a layer's forward makes, from its
     attention modules; raises where the planner cannot tell."""
     calls = []
     for module in modules:
-        geometry = _attention_geometry(module)
+        geometry = _attention_geometry(module, implementation)
         if geometry is None:
             raise RuntimeError(f"{_FEATURE} needs the head count and head dimension of {type(module).__name__} in "
                                f"{name} to plan its memory, got neither from its attributes (num_heads, "
@@ -1287,12 +1770,13 @@ def _model_attention_layers(model):
     return attention_layers, others
 
 
-def _sequence_parallel_ranks(sequence_parallel_size):
+def _sequence_parallel_ranks(sequence_parallel_size, model, attention_layers):
     """The ranks over which Ulysses sequence parallelism splits each attention call's heads, and how that is known:
-    (the size given, "given"), else (the size of the DeepSpeed ALST registration that Hugging Face's "sdpa" lookup
-    reaches, "found registered"), else (1, None)."""
+    (the size given, "given"), else (the size of the DeepSpeed ALST registration that Hugging Face's lookup of the
+    last attention layer's implementation reaches, "found registered"), else (1, None)."""
     _, attention_functions = _entry_points()
-    ulysses = _ulysses_attention(attention_functions.get("sdpa"))
+    name, _, modules = attention_layers[-1]
+    ulysses = _ulysses_attention(attention_functions.get(_layer_implementation(name, modules, model)))
     if sequence_parallel_size is not None:
         _check_positive_int("sequence_parallel_size", sequence_parallel_size)
         if ulysses is not None and ulysses.world_size != sequence_parallel_size:
@@ -1313,9 +1797,10 @@ def _rank_heads(heads, key_heads, ranks):
     return heads // ranks, max(1, key_heads // ranks)
 
 
-def _layer_bytes(attention_layers, micro_batch_size, sequence_length, dtype, device, ranks=1):
+def _layer_bytes(model, attention_layers, micro_batch_size, sequence_length, dtype, device, ranks=1):
     """Bytes each attention layer would keep per micro-batch in flight, last layer first, with the layer names; under
-    Ulysses sequence parallelism over ``ranks``, one rank's: its share of the heads over the whole sequence."""
+    Ulysses sequence parallelism over ``ranks``, one rank's: its share of the heads over the whole sequence. For
+    flash-attn, the layout of its kernels; for sdpa, that of the backend PyTorch picks on ``device``."""
     _check_positive_int("micro_batch_size", micro_batch_size)
     _check_positive_int("sequence_length", sequence_length)
     if device is None:
@@ -1325,10 +1810,14 @@ def _layer_bytes(attention_layers, micro_batch_size, sequence_length, dtype, dev
     sizes, backends = [], {}
     for name, _, modules in reversed(attention_layers):
         nbytes = 0
-        for heads, key_heads, head_dim in _attention_calls(name, modules):
+        implementation = _layer_implementation(name, modules, model)
+        for heads, key_heads, head_dim in _attention_calls(name, modules, implementation):
             heads, key_heads = _rank_heads(heads, key_heads, ranks)
             geometry = (heads, key_heads, head_dim)
-            if geometry not in backends:
+            if implementation == "flash_attention_2":
+                # Packed and padded batches run flash_attn_varlen_func, whose layout keeps as many bytes per token.
+                ops = _FlashAttnOps
+            elif geometry not in backends:
                 # The backend PyTorch picks for these shapes in training decides the layout of what is kept.
                 query = torch.empty(1,
                                     heads,
@@ -1340,8 +1829,10 @@ def _layer_bytes(attention_layers, micro_batch_size, sequence_length, dtype, dev
                 key = torch.empty(1, key_heads, sequence_length, head_dim, device=device, dtype=dtype)
                 with torch.enable_grad():
                     choice = torch._fused_sdp_choice(query, key, key, None, 0.0, True, enable_gqa=key_heads != heads)
-                backends[geometry] = _ops_for(device.type, choice)
-            nbytes += backends[geometry].kept_bytes(micro_batch_size, heads, sequence_length, head_dim, dtype)
+                ops = backends[geometry] = _ops_for(device.type, choice)
+            else:
+                ops = backends[geometry]
+            nbytes += ops.kept_bytes(micro_batch_size, heads, sequence_length, head_dim, dtype)
         sizes.append((name, nbytes))
     return sizes
 
@@ -1367,9 +1858,9 @@ def attention_stash_layer_bytes(model: torch.nn.Module,
     Hugging Face's "sdpa" entry reaches now (``UlyssesSPAttentionHF.register_with_transformers``), else 1.
     """
     attention_layers, _ = _model_attention_layers(model)
-    ranks, _ = _sequence_parallel_ranks(sequence_parallel_size)
-    return _layer_bytes(attention_layers, micro_batch_size, sequence_length, dtype or _model_dtype(model), device,
-                        ranks)[0][1]
+    ranks, _ = _sequence_parallel_ranks(sequence_parallel_size, model, attention_layers)
+    return _layer_bytes(model, attention_layers, micro_batch_size, sequence_length, dtype or _model_dtype(model),
+                        device, ranks)[0][1]
 
 
 def attention_stash_layers_for_budget(model: torch.nn.Module,
@@ -1387,9 +1878,9 @@ def attention_stash_layers_for_budget(model: torch.nn.Module,
     parallelism the budget and the bytes are one rank's, as ``attention_stash_layer_bytes`` says.
     """
     attention_layers, _ = _model_attention_layers(model)
-    ranks, _ = _sequence_parallel_ranks(sequence_parallel_size)
-    sizes = _layer_bytes(attention_layers, micro_batch_size, sequence_length, dtype or _model_dtype(model), device,
-                         ranks)
+    ranks, _ = _sequence_parallel_ranks(sequence_parallel_size, model, attention_layers)
+    sizes = _layer_bytes(model, attention_layers, micro_batch_size, sequence_length, dtype or _model_dtype(model),
+                         device, ranks)
     return _fitting_layers(sizes, memory_budget, micro_batches_in_flight)
 
 
@@ -1404,6 +1895,32 @@ def _fitting_layers(sizes, memory_budget, micro_batches_in_flight):
             break
         fitting += 1
     return fitting
+
+
+# The attention implementations the stash serves, as Hugging Face names them.
+_IMPLEMENTATIONS = ("sdpa", "flash_attention_2")
+
+
+def _attention_config(modules, model):
+    """The config from which an attention layer's modules read their attention implementation: their own (a
+    multimodal model's text config, which may name another implementation than the model's), else the model's."""
+    for module in modules:
+        config = getattr(module, "config", None)
+        if isinstance(getattr(config, "_attn_implementation", None), str):
+            return config
+    return getattr(model, "config", None)
+
+
+def _layer_implementation(name, modules, model):
+    """The attention implementation an attention layer runs; raises for one the stash does not serve."""
+    implementation = getattr(_attention_config(modules, model), "_attn_implementation", None)
+    if implementation not in _IMPLEMENTATIONS:
+        served = " or ".join(f'"{name}"' for name in _IMPLEMENTATIONS)
+        raise RuntimeError(f'{_FEATURE} needs a Hugging Face model with attn_implementation {served}, got '
+                           f'{implementation!r} on {type(model).__name__} ({name}). Load it with '
+                           f'from_pretrained(..., attn_implementation="sdpa") or "flash_attention_2" (flash-attn 2), '
+                           f'and pass the model itself (engine.module of a DeepSpeed engine).')
+    return implementation
 
 
 def _class_defining(cls, name):
@@ -1457,25 +1974,29 @@ def _check_unshared(model, layer_class, chosen):
                                    f"neither.")
 
 
-def _take_hold(layer_class, attention_functions):
-    """Put the checkpoint-function slot and the stash's sdpa entry in place, once for all stashes. Under ``_LOCK``."""
+def _take_hold(layer_class, attention_functions, implementation):
+    """Put the checkpoint-function slot in place, once for all stashes, and the stash's entry for ``implementation``,
+    once for all stashes of that implementation. Under ``_LOCK``."""
     global _held
+    if _held is not None and implementation in _held.entries:
+        return
+    place = _entry_place(attention_functions, implementation)
+    current = place.function()
+    # The entry of an earlier install that a library wrapped (and may have written back, unwrapping) serves again: it
+    # is what the lookups reach.
+    earlier = _earlier_entry(current)
+    if earlier is not None:
+        entry = _Entry(place, _ENTRIES[earlier], earlier)
+    else:
+        # The entry first: it raises for an original it cannot serve, before anything is changed.
+        entry = _Entry(place, current, _stashing_entry(current, place.description, implementation))
     if _held is None:
-        place = _entry_place(attention_functions)
-        current = place.function()
-        # The entry of an earlier install that a library wrapped (and may have written back, unwrapping) serves again:
-        # it is what the lookups reach.
-        earlier = _earlier_entry(current)
-        if earlier is not None:
-            hold = _Hold(layer_class, attention_functions, place, _ENTRIES[earlier], earlier)
-        else:
-            # The entry first: it raises for an original it cannot serve, before anything is changed.
-            hold = _Hold(layer_class, attention_functions, place, current, _stashing_entry(current, place.description))
+        _held = _Hold(layer_class, attention_functions)
         setattr(layer_class, _CHECKPOINT_FUNCTION, _SLOT)
-        if current is hold.original:
-            place.put(hold.entry)
-        hold.front = attention_functions.get("sdpa")
-        _held = hold
+    if current is entry.original:
+        place.put(entry.entry)
+    entry.front = attention_functions.get(implementation)
+    _held.entries[implementation] = entry
 
 
 def _let_go():
@@ -1486,8 +2007,9 @@ def _let_go():
     if hold is None or any(stash.active and stash.layer() is not None for stash in list(_STASHES.values())):
         return
     _held = None
-    if hold.place.function() is hold.entry:
-        hold.place.put(hold.original)
+    for entry in hold.entries.values():
+        if entry.place.function() is entry.entry:
+            entry.place.put(entry.original)
     if hold.layer_class.__dict__.get(_CHECKPOINT_FUNCTION) is _SLOT:
         if hold.class_attribute is _MISSING:
             delattr(hold.layer_class, _CHECKPOINT_FUNCTION)
@@ -1507,9 +2029,12 @@ def _let_go_after_collection():
 
 
 def _install_message(model, chosen, attention_layers, others, sizes, micro_batch_size, sequence_length, ranks):
-    """The install's log line: what is stashed, at what cost, what is left out and why, in which checkpoint mode.
-    It never raises: where the planner cannot tell the cost, it says so. ``ranks``: _sequence_parallel_ranks'."""
+    """The install's log line: what is stashed, at what cost, what is left out and why, in which checkpoint mode,
+    with which attention implementation. It never raises: where the planner cannot tell the cost, it says so.
+    ``ranks``: _sequence_parallel_ranks'."""
     dtype = _model_dtype(model)
+    served = dict.fromkeys(_layer_implementation(name, modules, model) for name, _, modules in chosen)
+    implementations = " and ".join(f'"{implementation}"' for implementation in served)
     count, how = ranks
     per_rank = (f" on each rank of Ulysses sequence parallelism over {count} ranks ({how}): its share of the heads "
                 f"over the whole sequence" if count > 1 else "")
@@ -1519,17 +2044,21 @@ def _install_message(model, chosen, attention_layers, others, sizes, micro_batch
                 f"{sequence_length})")
     else:
         try:
-            calls = [call for name, _, modules in chosen for call in _attention_calls(name, modules)]
-            per_token = sum(
-                _rank_heads(heads, key_heads, count)[0] * (head_dim * dtype.itemsize + 4)
-                for heads, key_heads, head_dim in calls)
+            per_token = 0
+            for name, _, modules in chosen:
+                implementation = _layer_implementation(name, modules, model)
+                # flash-attn pads the head dimension of what it keeps to a multiple of 8.
+                multiple = 8 if implementation == "flash_attention_2" else 1
+                per_token += sum(
+                    _rank_heads(heads, key_heads, count)[0] * ((head_dim + -head_dim % multiple) * dtype.itemsize + 4)
+                    for heads, key_heads, head_dim in _attention_calls(name, modules, implementation))
             cost = (f"{per_token:,} bytes per token of each micro-batch in flight in {dtype}{per_rank} (give "
                     f"micro_batch_size and sequence_length for the exact figure)")
         except (RuntimeError, ValueError):
             cost = "a cost the planner cannot tell for these attention modules"
     message = (f"{_FEATURE}: keeping the attention output of {len(chosen)} of {len(attention_layers)} attention "
                f"layers ({chosen[0][0]} to {chosen[-1][0]}) for their recompute: {cost}; "
-               f"{_checkpointing_mode(chosen[-1][1])}.")
+               f"{_checkpointing_mode(chosen[-1][1])}; attn_implementation {implementations}.")
     if others:
         reasons = {}
         for _, why in others:
@@ -1621,17 +2150,18 @@ def install_attention_stash(model: torch.nn.Module,
                             sequence_parallel_size: int = None) -> AttentionStashHandle:
     """Keep the attention output of the last ``num_layers`` decoder layers for their checkpoint recompute.
 
-    ``model`` is a Hugging Face model loaded with ``attn_implementation="sdpa"`` and trained with per-layer activation
-    checkpointing, with or without AutoEP. The stash takes hold of each stashed layer's checkpoint function, so it runs
-    inside each checkpointed call of the layer. Its first pass calls the aten kernel that
-    ``F.scaled_dot_product_attention`` would run and keeps its outputs (one attention output plus its log-sum-exp); the
+    ``model`` is a Hugging Face model loaded with ``attn_implementation="sdpa"`` or ``"flash_attention_2"`` (flash-attn
+    2; each layer as its attention modules' config says) and trained with per-layer activation checkpointing, with or
+    without AutoEP. The stash takes hold of each stashed layer's checkpoint function, so it runs inside each
+    checkpointed call of the layer. Its first pass calls the kernel that ``F.scaled_dot_product_attention`` (or
+    flash-attn's autograd function) would run and keeps its outputs (one attention output plus its log-sum-exp); the
     recompute returns them from an autograd node whose backward is that kernel's backward, so it skips the attention
-    forward. Reentrant and non-reentrant checkpointing (transformers' default) are served alike; under non-reentrant
-    checkpointing the first pass leaves PyTorch's own attention node in the graph, which the recompute's node fills,
-    and a checkpoint's own ``context_fn`` (a selective-checkpointing policy) or ``debug=True`` composes with the
-    stash. What a call keeps
-    lives with its checkpoint's graph: it is released when the recompute takes it, or when the graph is freed without a
-    backward.
+    forward. Plain, padded and packed batches are served, flash-attn's variable-length calls too. Reentrant and
+    non-reentrant checkpointing (transformers' default) are served alike; under non-reentrant checkpointing the first
+    pass leaves PyTorch's (or flash-attn's) own attention node in the graph, which the recompute's node fills, and a
+    checkpoint's own ``context_fn`` (a selective-checkpointing policy) or ``debug=True`` composes with the stash. What
+    a call keeps lives with its checkpoint's graph: it is released when the recompute takes it, or when the graph is
+    freed without a backward.
 
     ``num_layers`` counts attention layers from the end. Where activation checkpointing is on for some decoder layers
     only (``every_n_layers``) when the stash is installed, it counts the checkpointed ones: the others have no
@@ -1671,20 +2201,13 @@ def install_attention_stash(model: torch.nn.Module,
     if memory_budget is not None and (micro_batch_size is None or sequence_length is None):
         raise TypeError(f"{_FEATURE} needs micro_batch_size and sequence_length with memory_budget, to size what each "
                         f"layer keeps.")
-    config = getattr(model, "config", None)
-    implementation = getattr(config, "_attn_implementation", None)
-    if implementation != "sdpa":
-        raise RuntimeError(f'{_FEATURE} needs a Hugging Face model with attn_implementation="sdpa", got '
-                           f'{implementation!r} on {type(model).__name__}. Load it with from_pretrained(..., '
-                           f'attn_implementation="sdpa"), and pass the model itself (engine.module of a DeepSpeed '
-                           f'engine).')
     attention_layers, others = _model_attention_layers(model)
-    ranks = _sequence_parallel_ranks(sequence_parallel_size)
+    ranks = _sequence_parallel_ranks(sequence_parallel_size, model, attention_layers)
     if ranks[0] > 1:
         # Heads that the ranks cannot split are refused as ALST refuses them, with a batch shape or without.
         for name, _, modules in attention_layers:
             try:
-                calls = _attention_calls(name, modules)
+                calls = _attention_calls(name, modules, _layer_implementation(name, modules, model))
             except RuntimeError:
                 calls = []
             for heads, key_heads, _ in calls:
@@ -1693,7 +2216,8 @@ def install_attention_stash(model: torch.nn.Module,
     if micro_batch_size is not None or sequence_length is not None:
         if micro_batch_size is None or sequence_length is None:
             raise TypeError(f"{_FEATURE} needs both micro_batch_size and sequence_length, or neither, got one.")
-        sizes = _layer_bytes(attention_layers, micro_batch_size, sequence_length, _model_dtype(model), None, ranks[0])
+        sizes = _layer_bytes(model, attention_layers, micro_batch_size, sequence_length, _model_dtype(model), None,
+                             ranks[0])
     if memory_budget is not None:
         num_layers = _fitting_layers(sizes, memory_budget, micro_batches_in_flight)
         if num_layers == 0:
@@ -1705,6 +2229,11 @@ def install_attention_stash(model: torch.nn.Module,
                          f"attention layers (of {len(attention_layers) + len(others)} decoder layers), got "
                          f"{num_layers}.")
     chosen = attention_layers[-num_layers:]
+    # Each stashed layer's attention implementation, as its attention modules' config says.
+    configs = [_attention_config(modules, model) for _, _, modules in chosen]
+    implementations = [_layer_implementation(name, modules, model) for name, _, modules in chosen]
+    if "flash_attention_2" in implementations:
+        _flash_attn_interface()
     for name, layer, _ in chosen:
         if _class_defining(type(layer), _CHECKPOINT_FUNCTION) not in (None, layer_class):
             raise RuntimeError(f"{_FEATURE} needs {name} to keep its checkpoint function per instance, as "
@@ -1720,10 +2249,16 @@ def install_attention_stash(model: torch.nn.Module,
             if layer in _STASHES:
                 raise RuntimeError(f"{_FEATURE} needs one install per decoder layer, got a second one on {name}. Call "
                                    f"remove() on the first handle before installing again.")
-        # Raises before changing anything where Hugging Face's sdpa entry cannot be served; nothing raises after it.
-        _take_hold(layer_class, attention_functions)
+        # Raises where Hugging Face's entry of an implementation cannot be served, before any stash goes in; what an
+        # earlier implementation's hold put in place goes again with it. Nothing raises after it.
+        try:
+            for implementation in dict.fromkeys(implementations):
+                _take_hold(layer_class, attention_functions, implementation)
+        except BaseException:
+            _let_go()
+            raise
         stashes = []
-        for name, layer, _ in chosen:
+        for (name, layer, _), config in zip(chosen, configs):
             stash = _LayerStash(name, layer, model, config, counters)
             for module in layer.modules():
                 _STASHES[module] = stash
