@@ -21,6 +21,7 @@ from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralF
 
 NUM_LAYERS = 3
 STOCK_SDPA = ALL_ATTENTION_FUNCTIONS["sdpa"]
+STOCK_FLASH = ALL_ATTENTION_FUNCTIONS["flash_attention_2"]
 CPU_FORWARD = "_scaled_dot_product_flash_attention_for_cpu.default"
 CPU_BACKWARD = "_scaled_dot_product_flash_attention_for_cpu_backward.default"
 
@@ -223,5 +224,7 @@ def assert_stock_process():
 
     assert ALL_ATTENTION_FUNCTIONS["sdpa"] is STOCK_SDPA and "sdpa" not in ALL_ATTENTION_FUNCTIONS._local_mapping
     assert AttentionInterface._global_mapping["sdpa"] is STOCK_SDPA
+    assert AttentionInterface._global_mapping["flash_attention_2"] is STOCK_FLASH
+    assert "flash_attention_2" not in ALL_ATTENTION_FUNCTIONS._local_mapping
     assert "_gradient_checkpointing_func" not in GradientCheckpointingLayer.__dict__
     assert not attention_stash._STASHES and attention_stash._held is None

@@ -10,6 +10,7 @@ comparison is bitwise: the stash replays the same deterministic kernels on the s
 
 import gc
 import os
+import types
 import weakref
 import pytest
 import torch
@@ -221,7 +222,8 @@ def test_remove_restores_stock_behaviour(install):
     handle = install(first, 2)
     other = install(second, 1)
     entry = ALL_ATTENTION_FUNCTIONS["sdpa"]
-    assert entry is attention_stash._held.entry and attention_stash._held.original is stock
+    held = attention_stash._held.entries["sdpa"]
+    assert entry is held.entry and held.original is stock
     # In the library-wide mapping, where AttentionInterface.register writes: a later registration replaces it.
     assert AttentionInterface._global_mapping["sdpa"] is entry
     handle.remove()
@@ -331,9 +333,9 @@ def test_head_dim_padding_for_kernels_that_need_it(install, monkeypatch):
 
 
 def test_rejects_other_attention_implementations():
-    with pytest.raises(
-            RuntimeError,
-            match='needs a Hugging Face model with attn_implementation="sdpa", got \'eager\' on MixtralForCausalLM'):
+    with pytest.raises(RuntimeError,
+                       match='needs a Hugging Face model with attn_implementation "sdpa" or "flash_attention_2", got '
+                       '\'eager\' on MixtralForCausalLM'):
         install_attention_stash(mixtral_model(attn_implementation="eager"), 1)
 
 
@@ -342,8 +344,8 @@ def test_rejects_attention_implementation_switched_after_install(install):
     install(model, 1)
     model.config._attn_implementation = "eager"
     with pytest.raises(RuntimeError,
-                       match='needs model.layers.2 to call attention with attn_implementation="sdpa" in each forward, '
-                       'got a forward without an sdpa call \\(attn_implementation "eager"\\)'):
+                       match='needs model.layers.2 to call attention with attn_implementation="sdpa", as at the '
+                       'install, in each forward, got a forward with "eager"'):
         model(input_ids=batch_ids(), labels=batch_ids())
 
 
@@ -559,7 +561,7 @@ def _refuse_a_plan_without_geometry(model, monkeypatch):
     (lambda model, _: install_attention_stash(model, NUM_LAYERS + 1), "needs num_layers from 1 to the model's"),
     (lambda model, _: install_attention_stash(model, memory_budget=1, micro_batch_size=2, sequence_length=32),
      "needs a memory_budget of at least one layer's"),
-    (_refuse_other_implementation, 'needs a Hugging Face model with attn_implementation="sdpa"'),
+    (_refuse_other_implementation, 'needs a Hugging Face model with attn_implementation "sdpa" or'),
     (_refuse_a_class_attribute, "needs model.layers.2 to keep its checkpoint function per instance"),
     (_refuse_an_unservable_sdpa_entry, "needs Hugging Face's sdpa attention function"),
     (_refuse_a_plan_without_geometry, "needs the head count and head dimension of MixtralAttention"),
@@ -657,7 +659,8 @@ def _bare_call():
     """A checkpoint call object whose layer function is one attention call: each call of it is a pass."""
     counters = attention_stash._Counters()
     layer = torch.nn.Linear(1, 1)
-    stash = attention_stash._LayerStash("attention", layer, layer, None, counters)
+    stash = attention_stash._LayerStash("attention", layer, layer, types.SimpleNamespace(_attn_implementation="sdpa"),
+                                        counters)
     return attention_stash._CheckpointCall(stash, attention_stash._attention_of_current_call), counters
 
 

@@ -169,13 +169,13 @@ def test_install_and_remove_from_many_threads(monkeypatch):
     """Installs and removes racing on one process-wide sdpa entry and layer class: every thread trains its own model
     with its own stash, exactly, and transformers' own entry and class come back at the end. A pause inside the
     first install's hold widens the window in which an unguarded second install would save the wrapper as stock."""
-    copy_of_sdpa = attention_stash._stashing_copy
+    copy_of_sdpa = attention_stash._sdpa_copy
 
     def slow_copy(function, where):
         time.sleep(0.05)
         return copy_of_sdpa(function, where)
 
-    monkeypatch.setattr(attention_stash, "_stashing_copy", slow_copy)
+    monkeypatch.setitem(attention_stash._COPIES, "sdpa", slow_copy)
     threads, rounds = 6, 3
     ids = batch_ids()
     expected_loss, expected = train_step(checkpointed(mixtral_model()), ids)

@@ -1,0 +1,175 @@
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""Run by test_attention_stash_ulysses_flash.py under torchrun with two ranks over gloo: the stash under DeepSpeed's
+Ulysses sequence parallelism (ALST, UlyssesSPAttentionHF.register_with_transformers with core "flash_attention_2"),
+on flash-attn 2's Python layer over the CPU stand-in kernels of attention_stash_flash.py.
+
+For each checkpoint mode and each batch kind, a tiny Llama trains one step on each rank's shard with ALST alone, which
+is the reference; then with the stash on all its layers, installed before ALST registers and with ALST registered
+first. The plain batch (two samples, position_ids counting from 0) runs flash_attn_func; the packed one (one sample of
+two documents, position_ids restarting at the boundary, which ALST gathers whole) runs flash_attn_varlen_func. Each
+rank writes its report as JSON to ``rank<N>.json`` in the folder given as the first argument.
+"""
+
+import json
+import os
+import sys
+from collections import Counter
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "..", "..", ".."))  # tests/: conftest imports this tree's module
+
+import conftest  # noqa: E402,F401
+import deepspeed  # noqa: E402
+import torch  # noqa: E402
+import transformers.modeling_flash_attention_utils as flash_utils  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: E402
+
+from attention_stash_flash import import_flash_attn, register_cpu_kernels  # noqa: E402
+from attention_stash_helpers import NUM_LAYERS, assert_stock_process, batch_ids, checkpointed  # noqa: E402
+from attention_stash_helpers import llama_model, param_grads  # noqa: E402
+from deepspeed.runtime.activation_checkpointing import attention_stash  # noqa: E402
+from deepspeed.runtime.sequence_parallel import parallel_state_sp as mpu  # noqa: E402
+from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF  # noqa: E402
+
+RANKS = 2
+FLASH = "flash_attention_2"
+# The whole sequence; each rank trains its half.
+SEQUENCE = 32
+# The packed batch's documents, of 10 and 22 tokens: rank 0's shard holds the boundary.
+DOCUMENTS = (10, 22)
+# flash-attn's forward ops, by the batch kind that runs them.
+FORWARD_OPS = {"_flash_attn_forward": "dense", "_flash_attn_varlen_forward": "varlen"}
+
+
+def batches():
+    """Each batch kind: (micro-batch size, input_ids and position_ids of the whole sequence)."""
+    plain = (2, batch_ids(seed=3, batch=2, sequence=SEQUENCE), torch.arange(SEQUENCE).unsqueeze(0).expand(2, -1))
+    packed_positions = torch.cat([torch.arange(length) for length in DOCUMENTS]).unsqueeze(0)
+    packed = (1, batch_ids(seed=4, batch=1, sequence=SEQUENCE), packed_positions)
+    return {"plain": plain, "packed": packed}
+
+
+class FlashForwardCalls(TorchDispatchMode):
+    """Counts the calls of flash-attn's two forward ops, by batch kind ("dense", "varlen"), and notes the query's
+    cu_seqlens of each varlen call."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = Counter()
+        self.cu_seqlens = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        namespace, _, name = func.overloadpacket._qualified_op_name.partition("::")
+        if namespace == "flash_attn" and name in FORWARD_OPS:
+            self.calls[FORWARD_OPS[name]] += 1
+            if FORWARD_OPS[name] == "varlen":
+                self.cu_seqlens.append(args[3].tolist())
+        return func(*args, **(kwargs or {}))
+
+
+def use_flash_attention_2():
+    """What use_flash_attention_2 does under pytest, for the rest of this process."""
+    import_flash_attn()
+    register_cpu_kernels()
+    flash_utils.is_flash_attn_2_available = lambda *args, **kwargs: True
+
+
+def flash_llama(use_reentrant):
+    model = checkpointed(llama_model(), use_reentrant=use_reentrant)
+    model.config._attn_implementation = FLASH
+    return model
+
+
+def register_alst(model, micro_batch):
+    return UlyssesSPAttentionHF.register_with_transformers(model_name_or_path=model,
+                                                           core_attn_implementation=FLASH,
+                                                           sequence_parallel_size=RANKS,
+                                                           micro_batch_size=micro_batch,
+                                                           seq_length_is_variable=True)
+
+
+def unregister_alst():
+    """Back to transformers' own flash_attention_2 entry (ALST's registration writes the interface's local mapping)
+    and no sequence-parallel groups, for the next registration."""
+    ALL_ATTENTION_FUNCTIONS._local_mapping.pop(FLASH, None)
+    mpu._release_sequence_parallel_groups()
+    assert_stock_process()
+
+
+def shard(tensor, rank):
+    length = tensor.shape[1] // RANKS
+    return tensor[:, rank * length:(rank + 1) * length]
+
+
+def step(model, batch, rank):
+    """One training step on this rank's shard: the loss, the gradients, flash-attn's forward ops called in the forward
+    and in the backward (the recomputes), and the cu_seqlens of the forward's varlen calls."""
+    _, ids, positions = batch
+    model.zero_grad(set_to_none=True)
+    with FlashForwardCalls() as forward:
+        logits = model(input_ids=shard(ids, rank), position_ids=shard(positions, rank)).logits
+    loss = logits.float().pow(2).mean()
+    with FlashForwardCalls() as backward:
+        loss.backward()
+    calls = {"forward": dict(forward.calls), "backward": dict(backward.calls), "cu_seqlens": forward.cu_seqlens}
+    return loss.detach(), param_grads(model), calls
+
+
+def same(first, second):
+    """Whether two steps' losses and gradients are bitwise equal."""
+    return torch.equal(first[0], second[0]) and first[1].keys() == second[1].keys() and all(
+        torch.equal(grad, second[1][name]) for name, grad in first[1].items())
+
+
+def cases(rank, use_reentrant, kind, batch, report):
+    """ALST alone, then the stash on every layer installed before and after ALST's registration."""
+    micro_batch = batch[0]
+    mode = "reentrant" if use_reentrant else "non_reentrant"
+    model = flash_llama(use_reentrant)
+    register_alst(model, micro_batch)
+    reference = step(model, batch, rank)
+    unregister_alst()
+    for order in ("stash_first", "alst_first"):
+        model = flash_llama(use_reentrant)
+        if order == "stash_first":
+            handle = attention_stash.install_attention_stash(model, NUM_LAYERS, sequence_parallel_size=RANKS)
+            register_alst(model, micro_batch)
+        else:
+            register_alst(model, micro_batch)
+            handle = attention_stash.install_attention_stash(model, NUM_LAYERS)
+        result = step(model, batch, rank)
+        report[f"{order}_{mode}_{kind}"] = {
+            "bitwise": same(result, reference),
+            "served": handle.recomputes_served,
+            "num_kept": handle.num_kept,
+            "kept_bytes": handle.kept_bytes,
+            "peak_kept_bytes": handle.peak_kept_bytes,
+            # One rank's bytes per layer, from the ALST registration found: its share of the heads over the whole
+            # sequence.
+            "planned": attention_stash.attention_stash_layer_bytes(model, micro_batch, SEQUENCE, device="cpu"),
+            "reference_ops": reference[2],
+            "ops": result[2],
+        }
+        handle.remove()
+        unregister_alst()
+
+
+def main():
+    use_flash_attention_2()
+    deepspeed.init_distributed("gloo")
+    rank = torch.distributed.get_rank()
+    report = {"rank": rank}
+    for use_reentrant in (True, False):
+        for kind, batch in batches().items():
+            cases(rank, use_reentrant, kind, batch, report)
+    with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as file:
+        json.dump(report, file)
+    torch.distributed.barrier()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,555 @@
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""The stash on Hugging Face's attn_implementation="flash_attention_2" (flash-attn 2.8), on CPU and on meta.
+
+flash-attn's Python layer runs here without its CUDA kernels. On CPU, attention_stash_flash.py stands in for its four
+kernel ops with deterministic ones, so that Hugging Face's whole flash_attention_2 path runs with values: plain batches
+(flash_attn_func), padded ones (unpadded to flash_attn_varlen_func) and packed ones (varlen, with the cu_seqlens a
+padding-free collator passes or from position_ids). A stock step and a stashed one are compared bitwise, and the
+kernel calls are counted: the stashed recompute runs no attention forward. On the meta device flash-attn's own fake
+kernels run, through the decoder layers called directly, as in test_attention_stash_meta.py.
+"""
+
+import gc
+import sys
+from collections import Counter
+
+import pytest
+import torch
+import transformers
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from deepspeed.runtime.activation_checkpointing import attention_stash
+
+from attention_stash_flash import flash_attn_or_skip, use_flash_attention_2
+from attention_stash_helpers import (assert_same_grads, checkpointed, kept_outputs, live_checkpoint_calls, llama_model,
+                                     logged_messages, mistral_model, param_grads, qwen3_moe_model)
+
+FLASH_ATTN = flash_attn_or_skip()
+
+MODES = pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non_reentrant"])
+DTYPE = torch.bfloat16
+# Documents of a packed batch: one row of 64 tokens.
+DOCUMENTS = (24, 40)
+# Left padding of the second row of a padded batch.
+PADDING = 5
+
+
+def _qwen3_next_model(dtype):
+    """A hybrid: three gated-delta-net (linear attention) layers per full-attention layer."""
+    torch.manual_seed(0)
+    config = transformers.Qwen3NextConfig(vocab_size=128,
+                                          hidden_size=64,
+                                          intermediate_size=64,
+                                          num_hidden_layers=4,
+                                          num_attention_heads=4,
+                                          num_key_value_heads=2,
+                                          head_dim=16,
+                                          max_position_embeddings=64,
+                                          moe_intermediate_size=32,
+                                          shared_expert_intermediate_size=32,
+                                          num_experts=4,
+                                          num_experts_per_tok=2,
+                                          linear_num_value_heads=4,
+                                          linear_key_head_dim=16,
+                                          linear_value_head_dim=16,
+                                          linear_num_key_heads=2,
+                                          layer_types=["linear_attention", "full_attention"] * 2,
+                                          attn_implementation="sdpa")
+    return transformers.Qwen3NextForCausalLM(config).to(dtype)
+
+
+def _two_calls(model):
+    """Each attention module's forward runs twice per layer forward: two flash calls, kept and replayed in order."""
+    for layer in model.model.layers:
+        forward = layer.self_attn.forward
+
+        def repeated(*args, forward=forward, **kwargs):
+            outputs = [forward(*args, **kwargs) for _ in range(2)]
+            return outputs[0][0] + outputs[1][0], outputs[0][1]
+
+        layer.self_attn.forward = repeated
+    return model
+
+
+# name: (model, attention layers, attention calls per attention layer)
+MODELS = {
+    "llama": (lambda: llama_model(DTYPE), 3, 1),
+    # 36 is not a multiple of 8: flash-attn pads it to 40, and the stash keeps the output so.
+    "llama_head_dim_36": (lambda: llama_model(DTYPE, head_dim=36), 3, 1),
+    "mistral_sliding_window": (lambda: mistral_model(DTYPE, sliding_window=8), 3, 1),
+    "qwen3_moe": (lambda: qwen3_moe_model(DTYPE), 3, 1),
+    "qwen3_next": (lambda: _qwen3_next_model(DTYPE), 2, 1),
+    "llama_two_calls": (lambda: _two_calls(llama_model(DTYPE)), 3, 2),
+}
+BATCHES = ("plain", "padded", "packed_position_ids", "packed_cu_seq_lens")
+
+
+@pytest.fixture
+def flash(monkeypatch):
+    use_flash_attention_2(monkeypatch)
+
+
+def flash_model(name, use_reentrant=True):
+    make, _, _ = MODELS[name]
+    if name == "qwen3_next" and not hasattr(transformers, "Qwen3NextForCausalLM"):
+        pytest.skip(f"transformers {transformers.__version__} has no Qwen3NextForCausalLM")
+    model = make()
+    # Hugging Face checks for flash-attn's CUDA build when loading with flash_attention_2; set on the built model.
+    model.config._attn_implementation = "flash_attention_2"
+    return checkpointed(model, use_reentrant=use_reentrant)
+
+
+def make_batch(kind):
+    """The batch's model inputs, and the (micro-batch, sequence) the planner counts for it."""
+    generator = torch.Generator().manual_seed(1)
+    if kind in ("plain", "padded"):
+        ids = torch.randint(0, 128, (2, 32), generator=generator)
+        if kind == "plain":
+            return dict(input_ids=ids, labels=ids), (2, 32)
+        mask = torch.ones_like(ids)
+        mask[1, :PADDING] = 0
+        return dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)), (2, 32)
+    # One row of documents, as transformers' DataCollatorWithFlattening makes it: positions restart per document,
+    # and no label crosses a boundary.
+    ids = torch.randint(0, 128, (1, sum(DOCUMENTS)), generator=generator)
+    position_ids = torch.cat([torch.arange(length) for length in DOCUMENTS]).unsqueeze(0)
+    labels = ids.clone()
+    labels[0, DOCUMENTS[0]] = -100
+    inputs = dict(input_ids=ids, position_ids=position_ids, labels=labels)
+    if kind == "packed_cu_seq_lens":
+        cu_seq_lens = torch.tensor([0, DOCUMENTS[0], sum(DOCUMENTS)], dtype=torch.int32)
+        inputs.update(cu_seq_lens_q=cu_seq_lens,
+                      cu_seq_lens_k=cu_seq_lens.clone(),
+                      max_length_q=max(DOCUMENTS),
+                      max_length_k=max(DOCUMENTS))
+    return inputs, (1, sum(DOCUMENTS))
+
+
+class CountFlashOps(TorchDispatchMode):
+    """Counts the calls of flash-attn's kernel ops (flash_attn::*), by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        namespace, _, name = func._schema.name.partition("::")
+        if namespace == "flash_attn":
+            self.calls[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def counted_step(model, inputs):
+    """A training step: its loss, the parameters' gradients, and the flash-attn kernel calls of the whole step."""
+    model.zero_grad(set_to_none=True)
+    with CountFlashOps() as counter:
+        loss = model(**inputs).loss
+        loss.backward()
+    return loss.detach(), param_grads(model), counter.calls
+
+
+@MODES
+@pytest.mark.parametrize("kind", BATCHES)
+@pytest.mark.parametrize("name", MODELS)
+def test_a_flash_attention_2_step_is_stock(install, flash, name, kind, use_reentrant):
+    """A stock step, then a stashed one on every attention layer: the same loss and gradients bitwise, the
+    recompute's attention forwards skipped, every call served, the kept bytes the planner's, nothing left after."""
+    if name == "qwen3_next" and kind == "packed_cu_seq_lens":
+        pytest.skip("Qwen3-Next's linear attention needs flash-linear-attention for cu_seqlens")
+    model = flash_model(name, use_reentrant)
+    _, layers, calls_per_layer = MODELS[name]
+    calls = layers * calls_per_layer
+    inputs, (batch, sequence) = make_batch(kind)
+    varlen = "" if kind == "plain" else "varlen_"
+    forward, backward = f"_flash_attn_{varlen}forward", f"_flash_attn_{varlen}backward"
+
+    expected_loss, expected, stock_calls = counted_step(model, inputs)
+    assert stock_calls == {forward: 2 * calls, backward: calls}
+    handle = install(model, layers)
+    loss, grads, stashed_calls = counted_step(model, inputs)
+    assert stashed_calls == {forward: calls, backward: calls}
+    assert (handle.recomputes_served, handle.num_kept, handle.kept_bytes) == (calls, 0, 0)
+    assert torch.equal(loss, expected_loss)
+    assert_same_grads(grads, expected)
+
+    config = model.config
+    # The planner counts one call per attention layer: the test's second call is its own.
+    planned = attention_stash.attention_stash_layer_bytes(model, batch, sequence)
+    padded_head_dim = config.head_dim + -config.head_dim % 8
+    assert planned == batch * sequence * config.num_attention_heads * (padded_head_dim * 2 + 4)
+    if kind == "padded":
+        # The padding is unpadded away: the varlen kernel keeps the real tokens only.
+        tokens = batch * sequence - PADDING
+        assert handle.peak_kept_bytes == calls * config.num_attention_heads * tokens * (padded_head_dim * 2 + 4)
+    else:
+        assert handle.peak_kept_bytes == calls * planned
+    del inputs, loss
+    assert kept_outputs() == [] and live_checkpoint_calls() == []
+
+
+@MODES
+@pytest.mark.parametrize("kind", ["plain", "padded"])
+def test_a_flash_step_under_autocast_is_stock(install, flash, kind, use_reentrant):
+    """A float32 model under CPU autocast to bfloat16, around forward and backward: Hugging Face casts the queries,
+    keys and values for flash-attn, and the stashed step is the stock one, bitwise."""
+    model = checkpointed(llama_model(torch.float32), use_reentrant)
+    model.config._attn_implementation = "flash_attention_2"
+    inputs, _ = make_batch(kind)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected_loss, expected, _ = counted_step(model, inputs)
+        handle = install(model, 3)
+        loss, grads, calls = counted_step(model, inputs)
+    assert calls[f"_flash_attn_{'' if kind == 'plain' else 'varlen_'}forward"] == 3
+    assert (handle.recomputes_served, handle.num_kept) == (3, 0)
+    assert torch.equal(loss, expected_loss)
+    assert_same_grads(grads, expected)
+
+
+@MODES
+def test_a_flash_model_installs_with_its_cost(install, flash, use_reentrant):
+    """The install line counts flash-attn's layout, the head dimension padded to a multiple of 8; the planner too."""
+    model = flash_model("llama_head_dim_36", use_reentrant)
+    with logged_messages() as messages:
+        install(model, 2, micro_batch_size=2, sequence_length=32)
+    per_layer = 2 * 32 * 4 * (40 * 2 + 4)
+    assert any(f"keeping the attention output of 2 of 3 attention layers (model.layers.1 to model.layers.2) for "
+               f"their recompute: {2 * per_layer:,} bytes per micro-batch in flight" in message
+               and message.endswith('; attn_implementation "flash_attention_2".') for message in messages), messages
+    assert attention_stash.attention_stash_layers_for_budget(model, 2 * per_layer, 2, 32) == 2
+
+
+@MODES
+def test_a_recompute_with_other_cu_seqlens_is_refused(install, flash, use_reentrant):
+    """cu_seqlens a collator passes, changed in place between the forward and the backward: the recompute's flash
+    call gets other document boundaries than the kept output's, and the stash names them."""
+    model = flash_model("llama", use_reentrant)
+    inputs, _ = make_batch("packed_cu_seq_lens")
+    handle = install(model, 3)
+    loss = model(**inputs).loss
+    inputs["cu_seq_lens_q"][1] += 8
+    with pytest.raises(
+            RuntimeError,
+            match=r"needs the recompute of model\.layers\.2 to call flash-attn 2 \(flash_attn_varlen_func\) "
+            r"with its forward's arguments, got another cu_seqlens_q \(changed in place\) \(attention call 1\): "
+            r"the kept output is the forward's. Keep the batch's packing, padding, position_ids and cu_seq_lens"):
+        loss.backward()
+    del loss
+    assert handle.num_kept == 0 and kept_outputs() == []
+
+
+@MODES
+def test_a_recompute_with_other_document_lengths_is_refused(install, flash, use_reentrant):
+    """position_ids changed in place between the forward and the backward: Hugging Face derives other document
+    lengths in the recompute, and the stash names the first argument that differs, the longest document."""
+    model = flash_model("llama", use_reentrant)
+    inputs, _ = make_batch("packed_position_ids")
+    install(model, 3)
+    loss = model(**inputs).loss
+    inputs["position_ids"].copy_(torch.cat([torch.arange(32), torch.arange(32)]).unsqueeze(0))
+    with pytest.raises(RuntimeError,
+                       match=r"got another max_seqlen_q \(attention call 1\): the kept output is the "
+                       r"forward's\. Keep the batch's packing"):
+        loss.backward()
+
+
+@MODES
+def test_a_recompute_that_packs_a_batch_its_forward_did_not_is_refused(install, flash, use_reentrant):
+    """A forward that ran flash_attn_func and a recompute that runs flash_attn_varlen_func: the kept output is the
+    plain one, and the stash names both."""
+    model = flash_model("llama", use_reentrant)
+    inputs, _ = make_batch("packed_position_ids")
+    install(model, 3)
+    flat = torch.arange(64).unsqueeze(0)
+    loss = model(**{**inputs, "position_ids": flat}).loss
+    flat.copy_(inputs["position_ids"])
+    with pytest.raises(RuntimeError,
+                       match=r"needs one attention kernel for both passes of model\.layers\.2, got flash-attn 2 "
+                       r"\(flash_attn_func\) in the forward and flash-attn 2 \(flash_attn_varlen_func\) in the "
+                       r"recompute"):
+        loss.backward()
+
+
+@MODES
+def test_a_recompute_with_other_flash_settings_is_refused(install, flash, monkeypatch, use_reentrant):
+    """FLASH_ATTENTION_DETERMINISTIC switched between the forward and the backward: the recompute's call differs from
+    the forward's in a setting, and the stash names it and the settings to keep."""
+    model = flash_model("llama", use_reentrant)
+    install(model, 3)
+    monkeypatch.setenv("FLASH_ATTENTION_DETERMINISTIC", "0")
+    loss = model(**make_batch("plain")[0]).loss
+    monkeypatch.setenv("FLASH_ATTENTION_DETERMINISTIC", "1")
+    with pytest.raises(RuntimeError,
+                       match=r"call flash-attn 2 \(flash_attn_func\) with its forward's arguments, got another "
+                       r"deterministic \(attention call 1\): the kept output is the forward's\. Keep flash-attn's "
+                       r"settings \(FLASH_ATTENTION_DETERMINISTIC"):
+        loss.backward()
+
+
+def test_attention_dropout_is_refused(install, flash):
+    model = flash_model("llama")
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.1
+    install(model, 3)
+    with pytest.raises(RuntimeError, match=r"needs attention dropout 0 in model\.layers\.0, got 0\.1"):
+        model(**make_batch("plain")[0])
+
+
+@pytest.mark.parametrize("requires_grad", [True, False], ids=["learned", "constant"])
+def test_a_softcap_tensor_is_refused(install, flash, requires_grad):
+    """A softcap passed as a tensor (through the model's keyword arguments, which reach flash_attention_forward),
+    learned or not: flash-attn's kernels take a number."""
+    model = flash_model("llama")
+    install(model, 1)
+    softcap = torch.tensor(20.0, requires_grad=requires_grad)
+    learned = " that requires grad \\(a learned softcap\\)" if requires_grad else ""
+    with pytest.raises(RuntimeError,
+                       match=f"needs a softcap that is a number in model\\.layers\\.2, got a tensor{learned}"):
+        model(**make_batch("plain")[0], softcap=softcap)
+
+
+def _call_of_a_stashed_layer(install):
+    """A checkpoint call of a stashed flash layer, in its first pass, for the guards Hugging Face's path never
+    reaches."""
+    model = flash_model("llama")
+    handle = install(model, 1)
+    call = attention_stash._CheckpointCall(handle._stashes[0], None)
+    call.passes, call.kept = 1, []
+    return call
+
+
+@pytest.mark.parametrize("argument,message", [
+    (dict(alibi_slopes=torch.ones(4, requires_grad=True)), r"needs ALiBi slopes that do not require grad"),
+    (dict(return_attn_probs=True), r"got return_attn_probs=True"),
+    (dict(block_table=torch.zeros(2, 1, dtype=torch.int32)), r"got a block_table"),
+    (dict(dropout_p=0.5), r"needs attention dropout 0"),
+],
+                         ids=["learned_alibi", "return_attn_probs", "block_table", "dropout"])
+def test_flash_arguments_the_replay_cannot_reproduce_are_refused(install, flash, argument, message):
+    call = _call_of_a_stashed_layer(install)
+    query = torch.randn(1, 8, 4, 16, dtype=DTYPE)
+    arguments = dict(dropout_p=0.0,
+                     softmax_scale=None,
+                     causal=True,
+                     window_size=(-1, -1),
+                     softcap=0.0,
+                     alibi_slopes=None,
+                     deterministic=False,
+                     return_attn_probs=False,
+                     block_table=None)
+    with pytest.raises(RuntimeError, match=message):
+        call.flash(query, query, query, None, None, None, None, **{**arguments, **argument})
+    assert call.kept == []
+
+
+def test_alibi_slopes_that_need_no_grad_are_served(install, flash):
+    """ALiBi slopes as a constant: kept with the call's arguments, and passed to the backward as flash-attn does."""
+    call = _call_of_a_stashed_layer(install)
+    query = torch.randn(1, 8, 4, 16, dtype=DTYPE)
+    slopes = torch.ones(4)
+    with pytest.raises(NotImplementedError, match="has no ALiBi slopes"):
+        # The CPU stand-in kernels have no ALiBi: the stash got as far as the kernel call.
+        call.flash(query, query, query, None, None, None, None, 0.0, None, True, (-1, -1), 0.0, slopes, False, False,
+                   None)
+
+
+def test_other_flash_functions_are_refused(install, flash, monkeypatch):
+    """Where Hugging Face's lazy import hands out other flash functions than flash-attn 2's (a hub kernel, an NPU
+    build, flash-attn 3), the stash names them."""
+    import transformers.modeling_flash_attention_utils as flash_utils
+
+    def other_flash_attn_func(*args, **kwargs):
+        return FLASH_ATTN.flash_attn_func(*args, **kwargs)
+
+    lazy_imports = flash_utils._lazy_imports
+
+    def other_lazy_imports(*args, **kwargs):
+        return (other_flash_attn_func, *lazy_imports(*args, **kwargs)[1:])
+
+    monkeypatch.setattr(flash_utils, "_lazy_imports", other_lazy_imports)
+    model = flash_model("llama")
+    install(model, 1)
+    with pytest.raises(RuntimeError,
+                       match=r"needs Hugging Face's flash_attention_2 to call flash-attn 2's flash_attn_func and "
+                       r"flash_attn_varlen_func, whose kernels it replays, got <function "
+                       r".*other_flash_attn_func"):
+        model(**make_batch("plain")[0])
+
+
+def test_an_install_without_flash_attn_is_refused(flash, monkeypatch):
+    model = flash_model("llama")
+    monkeypatch.setattr(attention_stash, "_flash_attn", None)
+    monkeypatch.setitem(sys.modules, "flash_attn", None)
+    with pytest.raises(RuntimeError,
+                       match=r'needs flash-attn 2 \(the flash_attn package\) for attn_implementation='
+                       r'"flash_attention_2", got an import error: .*Install flash-attn 2, or load the model with '
+                       r'attn_implementation="sdpa"'):
+        attention_stash.install_attention_stash(model, 1)
+    assert attention_stash._held is None
+
+
+def test_switching_a_flash_model_to_sdpa_after_the_install_is_refused(install, flash):
+    model = flash_model("llama")
+    install(model, 1)
+    model.config._attn_implementation = "sdpa"
+    with pytest.raises(RuntimeError,
+                       match=r'needs model\.layers\.2 to call attention with attn_implementation="flash_attention_2", '
+                       r'as at the install, in each forward, got a forward with "sdpa"'):
+        model(**make_batch("plain")[0])
+
+
+def test_an_sdpa_and_a_flash_model_are_served_side_by_side(install, flash):
+    """One process, two models, two implementations: each model's stash serves its own entry, and both entries go
+    back to transformers' own when both stashes are removed (the install fixture checks)."""
+    sdpa_model = checkpointed(llama_model(DTYPE))
+    model = flash_model("llama")
+    inputs, _ = make_batch("plain")
+    for one in (sdpa_model, model):
+        one.zero_grad(set_to_none=True)
+    expected = [one(**inputs).loss for one in (sdpa_model, model)]
+    for loss in expected:
+        loss.backward()
+    expected_grads = [param_grads(one) for one in (sdpa_model, model)]
+    handles = [install(one, 3) for one in (sdpa_model, model)]
+    for one, handle, loss, grads in zip((sdpa_model, model), handles, expected, expected_grads):
+        one.zero_grad(set_to_none=True)
+        stashed = one(**inputs).loss
+        stashed.backward()
+        assert torch.equal(stashed, loss) and handle.recomputes_served == 3
+        assert_same_grads(param_grads(one), grads)
+    assert set(attention_stash._held.entries) == {"sdpa", "flash_attention_2"}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# On the meta device, through flash-attn's own fake kernels.
+# ---------------------------------------------------------------------------------------------------------------------
+
+META_BATCH, META_SEQUENCE = 2, 72
+
+
+def _meta_model(name, use_reentrant):
+    with torch.device("meta"):
+        model = flash_model(name, use_reentrant)
+    return model
+
+
+def _meta_live_tensors(model):
+    """Shapes of the meta tensors alive now with a dimension of a batch's sequence, but for the model's parameters and
+    their gradients."""
+    gc.collect()
+    owned = {id(tensor) for param in model.parameters() for tensor in (param, param.grad)}
+    return sorted(
+        tuple(obj.shape) for obj in gc.get_objects()
+        if issubclass(type(obj), torch.Tensor) and id(obj) not in owned and obj.dim() >= 2 and obj.is_meta and (
+            META_SEQUENCE in obj.shape or META_BATCH * META_SEQUENCE in obj.shape))
+
+
+@MODES
+@pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
+@pytest.mark.parametrize("name", MODELS)
+def test_a_flash_step_on_meta(install, flash, name, packed, use_reentrant):
+    """The decoder layers on meta tensors in bfloat16, called as the model calls them (Hugging Face's mask and
+    packing code reads values, which meta tensors do not have: a packed batch passes its cu_seqlens, as a
+    padding-free collator does). flash-attn's fake kernels run forward and backward; every call is served, the kept
+    bytes are the planner's, every parameter gets a gradient of its shape and dtype, and nothing is left after."""
+    if name == "qwen3_next" and packed:
+        pytest.skip("Qwen3-Next's linear attention needs flash-linear-attention for cu_seqlens")
+    model = _meta_model(name, use_reentrant)
+    _, layers, calls_per_layer = MODELS[name]
+    calls = layers * calls_per_layer
+    handle = install(model, layers)
+    batch, sequence = (1, META_BATCH * META_SEQUENCE) if packed else (META_BATCH, META_SEQUENCE)
+    inputs = torch.empty(batch, sequence, model.config.hidden_size, device="meta", dtype=DTYPE, requires_grad=True)
+    embeddings = model.model.rotary_emb(inputs, torch.arange(sequence, device="meta").unsqueeze(0))
+    varlen = {}
+    if packed:
+        cu_seq_lens = torch.empty(META_BATCH + 1, device="meta", dtype=torch.int32)
+        varlen = dict(cu_seq_lens_q=cu_seq_lens,
+                      cu_seq_lens_k=cu_seq_lens,
+                      max_length_q=META_SEQUENCE,
+                      max_length_k=META_SEQUENCE)
+    hidden = inputs
+    with CountFlashOps() as counter:
+        for layer in model.model.layers:
+            hidden = layer(hidden, attention_mask=None, position_embeddings=embeddings, position_ids=None, **varlen)
+            hidden = hidden[0] if isinstance(hidden, tuple) else hidden
+        planned = attention_stash.attention_stash_layer_bytes(model, batch, sequence)
+        assert (handle.num_kept, handle.kept_bytes) == (calls, calls * planned)
+        hidden.sum().backward()
+    infix = "varlen_" if packed else ""
+    assert counter.calls == {f"_flash_attn_{infix}forward": calls, f"_flash_attn_{infix}backward": calls}
+    assert (handle.recomputes_served, handle.num_kept, handle.kept_bytes) == (calls, 0, 0)
+    assert inputs.grad is not None and inputs.grad.shape == inputs.shape
+    for param_name, param in model.named_parameters():
+        if param_name.startswith("model.layers."):
+            assert param.grad is not None, param_name
+            assert (param.grad.shape, param.grad.dtype) == (param.shape, param.dtype), param_name
+    del hidden, inputs, embeddings, varlen
+    assert _meta_live_tensors(model) == [] and live_checkpoint_calls() == []
+
+
+def test_the_meta_saves_are_flash_attns(flash):
+    """What the stash reads from flash-attn's node under non-reentrant checkpointing (the padded output fourth, the
+    log-sum-exp fifth, rng_state last) is what flash-attn 2.8's fake kernels save, in layout and dtype."""
+    query = torch.empty(2, 72, 4, 36, device="meta", dtype=DTYPE, requires_grad=True)
+    key = torch.empty(2, 72, 2, 36, device="meta", dtype=DTYPE, requires_grad=True)
+    ops = attention_stash._FlashAttnOps
+    arguments = attention_stash._FlashArguments(0.0, 36**-0.5, True, (-1, -1), 0.0, None, False, None, None, None,
+                                                None)
+    out, output, lse, rng_state = attention_stash._flash_with_grad(ops, query, key, key, arguments)
+    assert out.shape == query.shape and output.shape == (2, 72, 4, 40)
+    assert (lse.shape, lse.dtype, rng_state.shape, rng_state.dtype) == ((2, 4, 72), torch.float32, (2, ), torch.int64)
+    assert output.nbytes + lse.nbytes == ops.kept_bytes(2, 4, 72, 36, DTYPE)
+
+
+def _llava_model(use_reentrant):
+    """A tiny Llava whose text config says "flash_attention_2" and whose top and vision configs say "sdpa", as
+    from_pretrained(attn_implementation={"text_config": "flash_attention_2", "vision_config": "sdpa"}) leaves them
+    but for the top one."""
+    torch.manual_seed(0)
+    text = transformers.LlamaConfig(vocab_size=160,
+                                    hidden_size=64,
+                                    intermediate_size=64,
+                                    num_hidden_layers=3,
+                                    num_attention_heads=4,
+                                    num_key_value_heads=2,
+                                    max_position_embeddings=128)
+    vision = transformers.CLIPVisionConfig(hidden_size=32,
+                                           intermediate_size=32,
+                                           num_hidden_layers=2,
+                                           num_attention_heads=2,
+                                           image_size=16,
+                                           patch_size=8,
+                                           projection_dim=32)
+    config = transformers.LlavaConfig(text_config=text,
+                                      vision_config=vision,
+                                      image_token_id=150,
+                                      vision_feature_layer=-1,
+                                      attn_implementation="sdpa")
+    model = transformers.LlavaForConditionalGeneration(config).to(DTYPE)
+    model.config.text_config._attn_implementation = "flash_attention_2"
+    return checkpointed(model, use_reentrant)
+
+
+@MODES
+def test_each_layer_is_served_with_its_own_config_s_implementation(install, flash, use_reentrant):
+    """A multimodal model whose text layers run flash-attn and whose vision layers run sdpa: each stashed layer is
+    served through the implementation its attention modules' config names, both at once, bitwise."""
+    model = _llava_model(use_reentrant)
+    ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
+    ids[:, 1:5] = 150
+    pixels = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(2)).to(DTYPE)
+    inputs = dict(input_ids=ids, pixel_values=pixels, labels=ids.masked_fill(ids == 150, -100))
+    expected_loss, expected, stock_calls = counted_step(model, inputs)
+    layers = len(attention_stash._model_attention_layers(model)[0])
+    with logged_messages() as messages:
+        handle = install(model, layers)
+    implementations = Counter((stash.name.split(".")[1], stash.implementation) for stash in handle._stashes)
+    assert implementations == {("vision_tower", "sdpa"): 2, ("language_model", "flash_attention_2"): 3}
+    assert messages[-1].endswith('; attn_implementation "sdpa" and "flash_attention_2".'), messages
+    loss, grads, calls = counted_step(model, inputs)
+    assert stock_calls["_flash_attn_forward"] == 6 and calls["_flash_attn_forward"] == 3
+    assert (handle.recomputes_served, handle.num_kept) == (layers, 0)
+    assert torch.equal(loss, expected_loss)
+    assert_same_grads(grads, expected)

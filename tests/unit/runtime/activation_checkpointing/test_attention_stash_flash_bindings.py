@@ -1,0 +1,180 @@
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""The stash's flash-attn kernel calls, bound against flash-attn's own autograd functions, on CPU.
+
+The stash calls flash-attn's forward kernel op as FlashAttnFunc (FlashAttnVarlenFunc) calls it, and its recompute node
+saves what that function saves and calls flash-attn's backward op as that function's backward does. Here recorders
+stand in for flash-attn's kernel ops (``flash_attn_interface._wrapped_flash_attn_*``, through which flash-attn's
+functions call them), returning sentinels of distinct values; flash-attn's function and the stash run on the same
+inputs, and every argument of every kernel call, and every saved tensor, is compared position by position. The
+arguments that share a type get distinct values (cu_seqlens_q and cu_seqlens_k, the max lengths, the two window
+sizes), so that a swap of two of them fails here, as the planted swap below shows.
+"""
+
+import pytest
+import torch
+
+from deepspeed.runtime.activation_checkpointing import attention_stash
+
+from attention_stash_flash import flash_attn_or_skip
+
+FLASH_ATTN = flash_attn_or_skip()
+# What the stash's install of a flash_attention_2 model does: import and check flash-attn's interface.
+assert attention_stash._flash_attn_interface() is FLASH_ATTN
+
+KERNELS = ("_wrapped_flash_attn_forward", "_wrapped_flash_attn_varlen_forward", "_wrapped_flash_attn_backward",
+           "_wrapped_flash_attn_varlen_backward")
+HEADS, KEY_HEADS = 4, 2
+CU_SEQLENS_Q = (0, 3, 8)
+CU_SEQLENS_K = (0, 4, 8)
+
+
+class Recorder:
+    """Stands in for flash-attn's kernel ops: records each call's arguments; a forward returns sentinels of distinct
+    values (padded output, log-sum-exp, an empty S_dmask, rng_state), a backward fills dq, dk and dv."""
+
+    def __init__(self, monkeypatch):
+        self.calls = []
+        for name in KERNELS:
+            monkeypatch.setattr(FLASH_ATTN, name, self._kernel(name))
+
+    def _kernel(self, name):
+
+        def kernel(*args, **kwargs):
+            self.calls.append((name, args, kwargs))
+            query = args[0] if "forward" in name else args[1]
+            if "forward" in name:
+                varlen = "varlen" in name
+                lse_shape = (HEADS, query.shape[0]) if varlen else (query.shape[0], HEADS, query.shape[1])
+                return (torch.full_like(query, 7.0), torch.full(lse_shape,
+                                                                11.0), query.new_empty(0), torch.tensor([13, 17]))
+            for position, value in zip((6, 7, 8), (19.0, 23.0, 29.0)):
+                args[position].fill_(value)
+            return torch.empty(0)
+
+        return kernel
+
+
+def _inputs(varlen, head_dim):
+    generator = torch.Generator().manual_seed(0)
+    shape = (8, ) if varlen else (2, 4)
+
+    def tensor(heads, seed):
+        return torch.randn(*shape, heads, head_dim, generator=generator.manual_seed(seed), requires_grad=True)
+
+    return tensor(HEADS, 1), tensor(KEY_HEADS, 2), tensor(KEY_HEADS, 3)
+
+
+def _arguments(varlen, head_dim):
+    """One flash call's arguments, each of a distinct value where two share a type."""
+    cu_seqlens = (torch.tensor(CU_SEQLENS_Q, dtype=torch.int32),
+                  torch.tensor(CU_SEQLENS_K, dtype=torch.int32)) if varlen else (None, None)
+    max_seqlens = (5, 4) if varlen else (None, None)
+    return attention_stash._FlashArguments(0.0, head_dim**-0.5, True, (3, 5), 2.5, None, True, *cu_seqlens,
+                                           *max_seqlens)
+
+
+def _theirs(recorder, varlen, query, key, value, arguments, grad):
+    """flash-attn's own function, forward and backward: its kernel calls and its saved tensors."""
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda tensor: saved.append(tensor) or tensor,
+                                                  lambda tensor: tensor):
+        if varlen:
+            out = FLASH_ATTN.FlashAttnVarlenFunc.apply(
+                query, key, value, arguments.cu_seqlens_q, arguments.cu_seqlens_k, arguments.max_seqlen_q,
+                arguments.max_seqlen_k, arguments.dropout_p, arguments.softmax_scale, arguments.causal,
+                arguments.window_size, arguments.softcap, arguments.alibi_slopes, arguments.deterministic, False, None,
+                True)
+        else:
+            out = FLASH_ATTN.FlashAttnFunc.apply(query, key, value, arguments.dropout_p, arguments.softmax_scale,
+                                                 arguments.causal, arguments.window_size, arguments.softcap,
+                                                 arguments.alibi_slopes, arguments.deterministic, False, True)
+    grads = torch.autograd.grad(out, (query, key, value), grad)
+    return out, saved, grads, recorder.calls[:]
+
+
+def _ours(recorder, ops, query, key, value, arguments, grad):
+    """The stash: its first pass's kernel call (reentrant checkpointing's, which runs no node), then the recompute's
+    node on what that kept, forward and backward."""
+    start = len(recorder.calls)
+    padded = attention_stash._pad_head_dim((query.detach(), key.detach(), value.detach()))
+    output, lse, rng_state = ops.kernel(*padded, arguments)
+    kept = attention_stash._Kept(ops, output, (lse, rng_state), arguments, 0, output._version, None)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda tensor: saved.append(tensor) or tensor,
+                                                  lambda tensor: tensor):
+        out = ops.replay(query, key, value, kept, arguments)
+    grads = torch.autograd.grad(out, (query, key, value), grad)
+    return out, saved, grads, recorder.calls[start:]
+
+
+def _same(ours, theirs):
+    if isinstance(theirs, torch.Tensor) or isinstance(ours, torch.Tensor):
+        return (isinstance(ours, torch.Tensor) and isinstance(theirs, torch.Tensor) and ours.shape == theirs.shape
+                and ours.dtype == theirs.dtype and torch.equal(ours, theirs))
+    return type(ours) is type(theirs) and ours == theirs
+
+
+def _assert_same_calls(ours, theirs):
+    assert [name for name, _, _ in ours] == [name for name, _, _ in theirs]
+    for (name, our_args, our_kwargs), (_, their_args, their_kwargs) in zip(ours, theirs):
+        assert len(our_args) == len(their_args) and our_kwargs.keys() == their_kwargs.keys(), name
+        for position, (mine, their) in enumerate(zip(our_args, their_args)):
+            if "backward" in name and position in (6, 7, 8):
+                # dq, dk and dv: buffers the kernel fills, empty_like the padded query, key and value.
+                assert (mine.shape, mine.dtype) == (their.shape, their.dtype), (name, position)
+            else:
+                assert _same(mine, their), (name, position)
+        for keyword, their in their_kwargs.items():
+            assert _same(our_kwargs[keyword], their), (name, keyword)
+
+
+@pytest.mark.parametrize("head_dim", [16, 36], ids=["head_dim_16", "head_dim_36_padded"])
+@pytest.mark.parametrize("ops", [attention_stash._FlashAttnOps, attention_stash._FlashAttnVarlenOps],
+                         ids=["flash_attn_func", "flash_attn_varlen_func"])
+def test_kernel_calls_and_saves_follow_flash_attns_functions(monkeypatch, ops, head_dim):
+    """The stash's forward and backward kernel calls are flash-attn's, argument for argument; its node saves what
+    flash-attn's function saves, in its order (under non-reentrant checkpointing they fill that function's node);
+    and its output and gradients are flash-attn's."""
+    varlen = ops is attention_stash._FlashAttnVarlenOps
+    recorder = Recorder(monkeypatch)
+    arguments = _arguments(varlen, head_dim)
+    query, key, value = _inputs(varlen, head_dim)
+    grad = torch.randn(query.shape, generator=torch.Generator().manual_seed(4))
+    their_out, their_saved, their_grads, their_calls = _theirs(recorder, varlen, query, key, value, arguments, grad)
+    out, saved, grads, calls = _ours(recorder, ops, query, key, value, arguments, grad)
+
+    _assert_same_calls(calls, their_calls)
+    assert len(saved) == len(their_saved) == ops.saves
+    assert all(_same(mine, their) for mine, their in zip(saved, their_saved))
+    assert _same(out, their_out)
+    assert all(_same(mine, their) for mine, their in zip(grads, their_grads))
+    # The padded head dimension reached the kernels, and the gradients were sliced back.
+    assert their_calls[0][1][0].shape[-1] == head_dim + -head_dim % 8 and grads[0].shape == query.shape
+
+
+def test_a_planted_swap_is_caught(monkeypatch):
+    """A backward that passes the two window sizes swapped (both ints, the same for a symmetric window) fails the
+    comparison, as would any two arguments of a type swapped."""
+    recorder = Recorder(monkeypatch)
+    ops = attention_stash._FlashAttnVarlenOps
+    arguments = _arguments(True, 16)
+    query, key, value = _inputs(True, 16)
+    grad = torch.randn(query.shape)
+    *_, their_calls = _theirs(recorder, True, query, key, value, arguments, grad)
+    backward = ops.backward
+
+    def swapped_backward(ctx, grad_out):
+        ctx.arguments = attention_stash._FlashArguments(ctx.arguments.dropout_p, ctx.arguments.softmax_scale,
+                                                        ctx.arguments.causal, ctx.arguments.window_size[::-1],
+                                                        ctx.arguments.softcap, ctx.arguments.alibi_slopes,
+                                                        ctx.arguments.deterministic, ctx.arguments.cu_seqlens_q,
+                                                        ctx.arguments.cu_seqlens_k, ctx.arguments.max_seqlen_q,
+                                                        ctx.arguments.max_seqlen_k)
+        return backward(ctx, grad_out)
+
+    monkeypatch.setattr(ops, "backward", staticmethod(swapped_backward))
+    *_, calls = _ours(recorder, ops, query, key, value, arguments, grad)
+    with pytest.raises(AssertionError, match="_wrapped_flash_attn_varlen_backward', 16"):
+        _assert_same_calls(calls, their_calls)

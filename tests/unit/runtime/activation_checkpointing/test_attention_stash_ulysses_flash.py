@@ -1,0 +1,85 @@
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""The stash under DeepSpeed's Ulysses sequence parallelism (ALST) with core "flash_attention_2", on two ranks over
+gloo, on CPU over the stand-in kernels of attention_stash_flash.py.
+
+ALST's wrapper in Hugging Face's "flash_attention_2" entry all-to-alls query, key and value to the whole sequence and
+a rank's share of the heads, gathers position_ids, and calls the core flash function it captured; the stash's entry
+is that core function, installed before ALST registers or behind its wrapper after. The script
+attention_stash_ulysses_flash_ranks.py trains one step per case on both ranks: bitwise against ALST alone, every
+recompute served without a flash forward, and one rank's bytes kept as the planner counts them; a plain batch runs
+flash_attn_func, a packed one flash_attn_varlen_func over the documents of the whole sequence.
+"""
+
+import json
+import os
+
+import pytest
+
+from attention_stash_flash import flash_attn_or_skip
+from attention_stash_helpers import NUM_LAYERS, run_on_two_ranks
+
+MODES = ("reentrant", "non_reentrant")
+ORDERS = ("stash_first", "alst_first")
+KINDS = ("plain", "packed")
+# Each batch kind: its micro-batch size, and the flash-attn forward op it runs.
+MICRO_BATCH = {"plain": 2, "packed": 1}
+OP = {"plain": "dense", "packed": "varlen"}
+SEQUENCE = 32
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+    flash_attn_or_skip()
+    folder = tmp_path_factory.mktemp("ulysses_flash")
+    run_on_two_ranks(
+        os.path.join(os.path.dirname(os.path.abspath(__file__)), "attention_stash_ulysses_flash_ranks.py"),
+        str(folder))
+    found = [json.loads((folder / f"rank{rank}.json").read_text()) for rank in range(2)]
+    assert sorted(report["rank"] for report in found) == [0, 1]
+    return found
+
+
+def cases(reports, order, mode, kind):
+    return [(report["rank"], report[f"{order}_{mode}_{kind}"]) for report in reports]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("order", ORDERS)
+def test_both_install_orders_are_served_bitwise(reports, order, mode, kind):
+    """One step on each rank's shard: loss and gradients bitwise equal to ALST without the stash, every layer's
+    recompute served, nothing kept after the step."""
+    for rank, case in cases(reports, order, mode, kind):
+        assert case["bitwise"], rank
+        assert case["served"] == NUM_LAYERS, rank
+        assert case["num_kept"] == 0 and case["kept_bytes"] == 0, rank
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("order", ORDERS)
+def test_the_planner_counts_one_ranks_bytes(reports, order, mode, kind):
+    """Each rank keeps its share of the heads (2 of 4) over the whole sequence, as the planner counts it with ALST's
+    registration found: the micro-batch of the step (1 for the packed batch) and the whole sequence."""
+    # Micro-batch x 2 heads x 32 tokens x (16 x 4 bytes of output + 4 of log-sum-exp).
+    expected = MICRO_BATCH[kind] * 2 * SEQUENCE * (16 * 4 + 4)
+    for rank, case in cases(reports, order, mode, kind):
+        assert case["planned"] == expected, rank
+        assert case["peak_kept_bytes"] == NUM_LAYERS * case["planned"], rank
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("order", ORDERS)
+def test_the_batch_kind_picks_the_flash_op(reports, order, mode, kind):
+    """The plain batch runs flash_attn_func and the packed one flash_attn_varlen_func, over the documents of the whole
+    sequence that ALST's gathered position_ids mark (10 and 22 tokens), one call per layer; ALST alone runs it again in
+    each recompute, the stash in none."""
+    op = OP[kind]
+    cu_seqlens = [[0, 10, SEQUENCE]] * NUM_LAYERS if kind == "packed" else []
+    for rank, case in cases(reports, order, mode, kind):
+        stock = {"forward": {op: NUM_LAYERS}, "backward": {op: NUM_LAYERS}, "cu_seqlens": cu_seqlens}
+        assert case["reference_ops"] == stock, rank
+        assert case["ops"] == {**stock, "backward": {}}, rank
