@@ -17,6 +17,10 @@ them is not a result.
     python tests/benchmarks/attention_stash_host.py --mode non-reentrant     # transformers' default checkpointing only
     python tests/benchmarks/attention_stash_host.py --profile 50             # and where the attention's time goes
 
+``--attn flash_attention_2`` measures the stash on Hugging Face's flash-attn 2 path instead, with flash-attn's Python
+layer (installed as the README's test command installs it) over kernels that only allocate their outputs, on CPU: what
+the stash's flash entry and node cost the host, with the kernels costing about what a CUDA launch does.
+
 ``--profile`` adds a torch.profiler table of the attention's own work in each pass, per layer and step, for the plain
 and the fully stashed model of each mode: F.sdpa and its kernel in the forward passes, the stash's kernel call and its
 node (applied in the recompute, and in a non-reentrant checkpoint's first pass too), and each model's attention node in
@@ -34,6 +38,8 @@ import time
 import torch
 
 LAYERS = 8
+# Hugging Face's attention implementation of the models: "sdpa", or "flash_attention_2" (--attn).
+ATTENTION = "sdpa"
 
 
 def _init():
@@ -78,6 +84,41 @@ class _PassTimer:
         return first, recompute
 
 
+def _allocating_flash_kernels():
+    """flash-attn 2's Python layer, over CPU kernels for its four ops that allocate their outputs and compute nothing
+    (zeros), and transformers told that flash-attn 2 is available: the flash_attention_2 path at the cost of the
+    host's work. A CPU machine has no flash-attn kernels: an empty stand-in takes their module's place."""
+    import types
+
+    try:
+        import flash_attn_2_cuda  # noqa: F401
+    except ImportError:
+        sys.modules.setdefault("flash_attn_2_cuda", types.ModuleType("flash_attn_2_cuda"))
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError as error:
+        sys.exit(f"attention_stash_host --attn flash_attention_2 needs flash-attn 2's Python layer, got {error}. "
+                 f"Install it as the README's test command does.")
+    import transformers.modeling_flash_attention_utils as flash_utils
+
+    def forward(q, *args, **kwargs):
+        varlen = "cu_seqlens_q" in kwargs or len(args) > 10
+        lse = (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
+        return (torch.zeros_like(q), torch.zeros(lse,
+                                                 dtype=torch.float32), q.new_empty(0), torch.zeros(2,
+                                                                                                   dtype=torch.int64))
+
+    def backward(dout, q, k, v, out, lse, dq, dk, dv, *args, **kwargs):
+        for grad in (dq, dk, dv):
+            grad.zero_()
+        return torch.zeros_like(lse)
+
+    for name, kernel in (("_flash_attn_forward", forward), ("_flash_attn_varlen_forward", forward),
+                         ("_flash_attn_backward", backward), ("_flash_attn_varlen_backward", backward)):
+        torch.library.register_kernel(f"flash_attn::{name}", "cpu", kernel)
+    flash_utils.is_flash_attn_2_available = lambda *args, **kwargs: True
+
+
 def _model(stashed, reentrant):
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -93,6 +134,8 @@ def _model(stashed, reentrant):
                     num_key_value_heads=2,
                     max_position_embeddings=64,
                     attn_implementation="sdpa"))
+    # Set on the built model: transformers checks for flash-attn's CUDA build when a model is made with it.
+    model.config._attn_implementation = ATTENTION
     # transformers 5.23 renamed gradient_checkpointing_enable, keeping the old name as a deprecated alias.
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
@@ -242,8 +285,18 @@ def main(argv=None):
                         choices=["both", "reentrant", "non-reentrant"],
                         default="both",
                         help="the checkpointing of the models, plain and stashed: both modes interleaved by default")
+    parser.add_argument("--attn",
+                        choices=["sdpa", "flash_attention_2"],
+                        default="sdpa",
+                        help="the models' attention implementation; flash_attention_2 over allocating kernels")
     args = parser.parse_args(argv)
+    if args.attn == "flash_attention_2" and args.profile:
+        parser.error("--profile tables sdpa's kernels: leave it out with --attn flash_attention_2")
     _init()
+    global ATTENTION
+    ATTENTION = args.attn
+    if ATTENTION == "flash_attention_2":
+        _allocating_flash_kernels()
     torch.set_num_threads(1)
     import transformers
 
@@ -265,8 +318,9 @@ def main(argv=None):
             sys.exit(f"attention_stash_host needs every recompute served, got {got} in {mode.mode} checkpointing, "
                      f"of {(LAYERS * args.pairs, LAYERS // 2 * args.pairs)}.")
 
-    print(f"attention stash host cost: Llama {LAYERS} layers, hidden 32, sequence 8, one thread, {args.pairs} paired "
-          f"steps per comparison, interleaved; torch {torch.__version__}, transformers {transformers.__version__}")
+    print(f"attention stash host cost: Llama {LAYERS} layers, hidden 32, sequence 8, attn_implementation "
+          f"\"{ATTENTION}\", one thread, {args.pairs} paired steps per comparison, interleaved; torch "
+          f"{torch.__version__}, transformers {transformers.__version__}")
     for index, mode in enumerate(modes):
         _report(mode.mode, plain_steps[index], costs[2 * index], costs[2 * index + 1], args.target)
     if len(modes) == 2:
