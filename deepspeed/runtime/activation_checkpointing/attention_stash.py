@@ -409,6 +409,23 @@ def _check_mask_preparation(ops, choice, bias, query, key, value, mask, is_causa
 _NATIVE_SAVES = {}
 
 
+def _recording_hooks(hooks):
+    """Saved-tensor hooks that note each save, in order, and hand it on to ``hooks`` (the (pack, unpack) in force, a
+    non-reentrant checkpoint's; None for none, where saves stay as they are): (the list of saves, pack, unpack)."""
+    pack, unpack = hooks if hooks is not None else (_identity, _identity)
+    saved = []
+
+    def recording_pack(tensor):
+        saved.append(tensor)
+        return pack(tensor)
+
+    return saved, recording_pack, unpack
+
+
+def _identity(tensor):
+    return tensor
+
+
 def _kernel_with_grad(ops, query, key, value, bias, is_causal, scale):
     """Run the kernel with grad, as a non-reentrant checkpoint's first pass does, leaving its own autograd node in the
     graph: (output, saved tensors, scalars, the node's save order as _NATIVE_SAVES holds it).
@@ -423,13 +440,7 @@ def _kernel_with_grad(ops, query, key, value, bias, is_causal, scale):
     hooks = None if order is not None else torch._C._autograd._top_saved_tensors_default_hooks(False)
     if hooks is None:
         return (*ops.kernel(query, key, value, bias, is_causal, scale), order)
-    pack, unpack = hooks
-    packed = []
-
-    def recording_pack(tensor):
-        packed.append(tensor)
-        return pack(tensor)
-
+    packed, recording_pack, unpack = _recording_hooks(hooks)
     with torch.autograd.graph.saved_tensors_hooks(recording_pack, unpack):
         out, tensors, scalars = ops.kernel(query, key, value, bias, is_causal, scale)
     if out.grad_fn is None:
@@ -582,10 +593,8 @@ class _StashedFlashAttention(torch.autograd.Function):
     """The recompute's node for one flash-attn call, one subclass per flash-attn function: as flash-attn's autograd
     function, its forward pads the head dimension and saves what that function saves, in its order, and its backward
     is that function's, call for call; but its forward returns the kept output. Under non-reentrant checkpointing the
-    first pass's flash-attn node runs the backward, its saves filled by this node's."""
-
-    # Which saves of flash-attn's function the stash keeps: positions in its saved tensors.
-    saves = 0
+    first pass's flash-attn node runs the backward, its saves filled by this node's. The varlen function differs from
+    the plain one by its cu_seqlens (saved) and maximum lengths (passed), which a plain call's arguments lack."""
 
     @staticmethod
     def forward(ctx, query, key, value, kept, arguments):
@@ -593,26 +602,66 @@ class _StashedFlashAttention(torch.autograd.Function):
         if query.requires_grad or key.requires_grad or value.requires_grad:
             query, key, value = _pad_head_dim((query, key, value))
             lse, rng_state = kept.tensors
-            if arguments.cu_seqlens_q is None:
-                ctx.save_for_backward(query, key, value, kept.output, lse, rng_state)
-            else:
-                ctx.save_for_backward(query, key, value, kept.output, lse, arguments.cu_seqlens_q,
-                                      arguments.cu_seqlens_k, rng_state)
+            ctx.save_for_backward(query, key, value, kept.output, lse, *_cu_seqlens(arguments), rng_state)
             ctx.arguments = arguments
         return kept.output[..., :head_dim]
 
-    def __init_subclass__(cls, **kwargs):
-        super().__init_subclass__(**kwargs)
-        # As for _StashedAttention: apply without functorch's handling, which the stash refuses.
-        cls.replay = super(torch.autograd.Function, cls).apply
+    @staticmethod
+    def kernel(query, key, value, arguments):
+        """The forward kernel call of flash-attn's function, on its padded query, key and value: (padded output,
+        log-sum-exp, rng_state)."""
+        if arguments.cu_seqlens_q is None:
+            forward, varlen, extra = _flash_attn._wrapped_flash_attn_forward, (), {}
+        else:
+            forward, extra = _flash_attn._wrapped_flash_attn_varlen_forward, {"block_table": None}
+            varlen = (*_cu_seqlens(arguments), arguments.max_seqlen_q, arguments.max_seqlen_k)
+        out, lse, _, rng_state = forward(query,
+                                         key,
+                                         value,
+                                         *varlen,
+                                         arguments.dropout_p,
+                                         arguments.softmax_scale,
+                                         causal=arguments.causal,
+                                         window_size_left=arguments.window_size[0],
+                                         window_size_right=arguments.window_size[1],
+                                         softcap=arguments.softcap,
+                                         alibi_slopes=arguments.alibi_slopes,
+                                         return_softmax=False,
+                                         **extra)
+        return out, lse, rng_state
 
-
-class _FlashAttnOps(_StashedFlashAttention):
-    """flash-attn 2's flash_attn_func (FlashAttnFunc), for plain batches."""
-
-    name = "flash-attn 2 (flash_attn_func)"
-    function = "flash_attn_func"
-    saves = 6
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, key, value, out, lse, *cu_seqlens, rng_state = ctx.saved_tensors
+        arguments = ctx.arguments
+        if cu_seqlens:
+            backward, varlen = _flash_attn._wrapped_flash_attn_varlen_backward, (*cu_seqlens, arguments.max_seqlen_q,
+                                                                                 arguments.max_seqlen_k)
+        else:
+            backward, varlen = _flash_attn._wrapped_flash_attn_backward, ()
+        grad_query, grad_key, grad_value = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+        head_dim = grad_out.shape[-1]
+        (grad_out_padded, ) = _pad_head_dim((grad_out, ))
+        backward(grad_out_padded,
+                 query,
+                 key,
+                 value,
+                 out,
+                 lse,
+                 grad_query,
+                 grad_key,
+                 grad_value,
+                 *varlen,
+                 arguments.dropout_p,
+                 arguments.softmax_scale,
+                 arguments.causal,
+                 arguments.window_size[0],
+                 arguments.window_size[1],
+                 arguments.softcap,
+                 arguments.alibi_slopes,
+                 arguments.deterministic,
+                 rng_state=rng_state)
+        return grad_query[..., :head_dim], grad_key[..., :head_dim], grad_value[..., :head_dim], None, None
 
     @staticmethod
     def kept_bytes(batch, heads, sequence, head_dim, dtype):
@@ -620,49 +669,24 @@ class _FlashAttnOps(_StashedFlashAttention):
         # sequence]; varlen's of [heads, total tokens] is as large for batch x sequence tokens.
         return batch * heads * sequence * ((head_dim + -head_dim % 8) * dtype.itemsize + 4)
 
-    @staticmethod
-    def kernel(query, key, value, arguments):
-        """FlashAttnFunc's forward kernel call, on its padded query, key and value: (padded output, log-sum-exp,
-        rng_state)."""
-        out, lse, _, rng_state = _flash_attn._wrapped_flash_attn_forward(query,
-                                                                         key,
-                                                                         value,
-                                                                         arguments.dropout_p,
-                                                                         arguments.softmax_scale,
-                                                                         causal=arguments.causal,
-                                                                         window_size_left=arguments.window_size[0],
-                                                                         window_size_right=arguments.window_size[1],
-                                                                         softcap=arguments.softcap,
-                                                                         alibi_slopes=arguments.alibi_slopes,
-                                                                         return_softmax=False)
-        return out, lse, rng_state
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        # As for _StashedAttention: apply without functorch's handling, which the stash refuses.
+        cls.replay = super(torch.autograd.Function, cls).apply
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        query, key, value, out, lse, rng_state = ctx.saved_tensors
-        arguments = ctx.arguments
-        grad_query, grad_key, grad_value = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
-        head_dim = grad_out.shape[-1]
-        (grad_out_padded, ) = _pad_head_dim((grad_out, ))
-        _flash_attn._wrapped_flash_attn_backward(grad_out_padded,
-                                                 query,
-                                                 key,
-                                                 value,
-                                                 out,
-                                                 lse,
-                                                 grad_query,
-                                                 grad_key,
-                                                 grad_value,
-                                                 arguments.dropout_p,
-                                                 arguments.softmax_scale,
-                                                 arguments.causal,
-                                                 arguments.window_size[0],
-                                                 arguments.window_size[1],
-                                                 arguments.softcap,
-                                                 arguments.alibi_slopes,
-                                                 arguments.deterministic,
-                                                 rng_state=rng_state)
-        return grad_query[..., :head_dim], grad_key[..., :head_dim], grad_value[..., :head_dim], None, None
+
+def _cu_seqlens(arguments):
+    """A varlen call's (cu_seqlens_q, cu_seqlens_k); () for a plain call."""
+    return () if arguments.cu_seqlens_q is None else (arguments.cu_seqlens_q, arguments.cu_seqlens_k)
+
+
+class _FlashAttnOps(_StashedFlashAttention):
+    """flash-attn 2's flash_attn_func (FlashAttnFunc), for plain batches."""
+
+    name = "flash-attn 2 (flash_attn_func)"
+    function = "flash_attn_func"
+    # How many tensors flash-attn's function saves.
+    saves = 6
 
 
 class _FlashAttnVarlenOps(_StashedFlashAttention):
@@ -671,65 +695,6 @@ class _FlashAttnVarlenOps(_StashedFlashAttention):
     name = "flash-attn 2 (flash_attn_varlen_func)"
     function = "flash_attn_varlen_func"
     saves = 8
-    kept_bytes = _FlashAttnOps.kept_bytes
-
-    @staticmethod
-    def kernel(query, key, value, arguments):
-        """FlashAttnVarlenFunc's forward kernel call, on its padded query, key and value: (padded output,
-        log-sum-exp, rng_state)."""
-        out, lse, _, rng_state = _flash_attn._wrapped_flash_attn_varlen_forward(
-            query,
-            key,
-            value,
-            arguments.cu_seqlens_q,
-            arguments.cu_seqlens_k,
-            arguments.max_seqlen_q,
-            arguments.max_seqlen_k,
-            arguments.dropout_p,
-            arguments.softmax_scale,
-            causal=arguments.causal,
-            window_size_left=arguments.window_size[0],
-            window_size_right=arguments.window_size[1],
-            softcap=arguments.softcap,
-            alibi_slopes=arguments.alibi_slopes,
-            return_softmax=False,
-            block_table=None)
-        return out, lse, rng_state
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        query, key, value, out, lse, cu_seqlens_q, cu_seqlens_k, rng_state = ctx.saved_tensors
-        arguments = ctx.arguments
-        grad_query, grad_key, grad_value = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
-        head_dim = grad_out.shape[-1]
-        (grad_out_padded, ) = _pad_head_dim((grad_out, ))
-        _flash_attn._wrapped_flash_attn_varlen_backward(grad_out_padded,
-                                                        query,
-                                                        key,
-                                                        value,
-                                                        out,
-                                                        lse,
-                                                        grad_query,
-                                                        grad_key,
-                                                        grad_value,
-                                                        cu_seqlens_q,
-                                                        cu_seqlens_k,
-                                                        arguments.max_seqlen_q,
-                                                        arguments.max_seqlen_k,
-                                                        arguments.dropout_p,
-                                                        arguments.softmax_scale,
-                                                        arguments.causal,
-                                                        arguments.window_size[0],
-                                                        arguments.window_size[1],
-                                                        arguments.softcap,
-                                                        arguments.alibi_slopes,
-                                                        arguments.deterministic,
-                                                        rng_state=rng_state)
-        return grad_query[..., :head_dim], grad_key[..., :head_dim], grad_value[..., :head_dim], None, None
-
-
-def _identity(tensor):
-    return tensor
 
 
 def _flash_with_grad(ops, query, key, value, arguments):
@@ -738,17 +703,11 @@ def _flash_with_grad(ops, query, key, value, arguments):
 
     A recording pack hook in front of the saved-tensor hooks in force (the checkpoint's) notes the node's saves;
     they are flash-attn's, in its order, and the padded output is the one whose slice the function returned."""
-    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    pack, unpack = hooks if hooks is not None else (_identity, _identity)
-    saved = []
-
-    def recording_pack(tensor):
-        saved.append(tensor)
-        return pack(tensor)
-
+    saved, recording_pack, unpack = _recording_hooks(torch._C._autograd._top_saved_tensors_default_hooks(False))
     function = getattr(_flash_attn, ops.function)
-    varlen = () if arguments.cu_seqlens_q is None else (arguments.cu_seqlens_q, arguments.cu_seqlens_k,
-                                                        arguments.max_seqlen_q, arguments.max_seqlen_k)
+    varlen = ()
+    if arguments.cu_seqlens_q is not None:
+        varlen = (*_cu_seqlens(arguments), arguments.max_seqlen_q, arguments.max_seqlen_k)
     with torch.autograd.graph.saved_tensors_hooks(recording_pack, unpack):
         out = function(query,
                        key,
@@ -2028,13 +1987,13 @@ def _let_go_after_collection():
             _LOCK.release()
 
 
-def _install_message(model, chosen, attention_layers, others, sizes, micro_batch_size, sequence_length, ranks):
+def _install_message(model, chosen, implementations, attention_layers, others, sizes, micro_batch_size,
+                     sequence_length, ranks):
     """The install's log line: what is stashed, at what cost, what is left out and why, in which checkpoint mode,
-    with which attention implementation. It never raises: where the planner cannot tell the cost, it says so.
-    ``ranks``: _sequence_parallel_ranks'."""
+    with which attention implementation (``implementations``: the chosen layers'). It never raises: where the planner
+    cannot tell the cost, it says so. ``ranks``: _sequence_parallel_ranks'."""
     dtype = _model_dtype(model)
-    served = dict.fromkeys(_layer_implementation(name, modules, model) for name, _, modules in chosen)
-    implementations = " and ".join(f'"{implementation}"' for implementation in served)
+    served = " and ".join(f'"{implementation}"' for implementation in dict.fromkeys(implementations))
     count, how = ranks
     per_rank = (f" on each rank of Ulysses sequence parallelism over {count} ranks ({how}): its share of the heads "
                 f"over the whole sequence" if count > 1 else "")
@@ -2045,20 +2004,21 @@ def _install_message(model, chosen, attention_layers, others, sizes, micro_batch
     else:
         try:
             per_token = 0
-            for name, _, modules in chosen:
-                implementation = _layer_implementation(name, modules, model)
-                # flash-attn pads the head dimension of what it keeps to a multiple of 8.
-                multiple = 8 if implementation == "flash_attention_2" else 1
-                per_token += sum(
-                    _rank_heads(heads, key_heads, count)[0] * ((head_dim + -head_dim % multiple) * dtype.itemsize + 4)
-                    for heads, key_heads, head_dim in _attention_calls(name, modules, implementation))
+            for (name, _, modules), implementation in zip(chosen, implementations):
+                for heads, key_heads, head_dim in _attention_calls(name, modules, implementation):
+                    heads = _rank_heads(heads, key_heads, count)[0]
+                    if implementation == "flash_attention_2":
+                        per_token += _FlashAttnOps.kept_bytes(1, heads, 1, head_dim, dtype)
+                    else:
+                        # Without a batch shape the SDPA backend, and any padding of its, is not known.
+                        per_token += heads * (head_dim * dtype.itemsize + 4)
             cost = (f"{per_token:,} bytes per token of each micro-batch in flight in {dtype}{per_rank} (give "
                     f"micro_batch_size and sequence_length for the exact figure)")
         except (RuntimeError, ValueError):
             cost = "a cost the planner cannot tell for these attention modules"
     message = (f"{_FEATURE}: keeping the attention output of {len(chosen)} of {len(attention_layers)} attention "
                f"layers ({chosen[0][0]} to {chosen[-1][0]}) for their recompute: {cost}; "
-               f"{_checkpointing_mode(chosen[-1][1])}; attn_implementation {implementations}.")
+               f"{_checkpointing_mode(chosen[-1][1])}; attn_implementation {served}.")
     if others:
         reasons = {}
         for _, why in others:
@@ -2240,8 +2200,8 @@ def install_attention_stash(model: torch.nn.Module,
                                f"GradientCheckpointingLayer does, got a class attribute {_CHECKPOINT_FUNCTION} on "
                                f"{type(layer).__name__}. Remove that attribute from the class.")
     _check_unshared(model, layer_class, chosen)
-    message = _install_message(model, chosen, attention_layers, others, sizes, micro_batch_size, sequence_length,
-                               ranks)
+    message = _install_message(model, chosen, implementations, attention_layers, others, sizes, micro_batch_size,
+                               sequence_length, ranks)
 
     counters = _Counters()
     with _LOCK:

@@ -35,6 +35,16 @@ _TINY = dict(vocab_size=128,
              max_position_embeddings=64,
              attn_implementation="sdpa")
 
+# A tiny Qwen3-Next hybrid's mixture of experts and gated-delta-net (linear attention) layers, beside _TINY's sizes.
+QWEN3_NEXT_HYBRID = dict(moe_intermediate_size=32,
+                         shared_expert_intermediate_size=32,
+                         num_experts=4,
+                         num_experts_per_tok=2,
+                         linear_num_value_heads=4,
+                         linear_key_head_dim=16,
+                         linear_value_head_dim=16,
+                         linear_num_key_heads=2)
+
 
 def _tiny(model_class, config_class, dtype, defaults, overrides):
     torch.manual_seed(0)

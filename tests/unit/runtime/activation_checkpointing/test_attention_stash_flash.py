@@ -23,8 +23,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from deepspeed.runtime.activation_checkpointing import attention_stash
 
 from attention_stash_flash import flash_attn_or_skip, use_flash_attention_2
-from attention_stash_helpers import (assert_same_grads, checkpointed, kept_outputs, live_checkpoint_calls, llama_model,
-                                     logged_messages, mistral_model, param_grads, qwen3_moe_model)
+from attention_stash_helpers import (QWEN3_NEXT_HYBRID, assert_same_grads, assert_stock_process, checkpointed,
+                                     kept_outputs, live_checkpoint_calls, llama_model, logged_messages, mistral_model,
+                                     param_grads, qwen3_moe_model)
 
 FLASH_ATTN = flash_attn_or_skip()
 
@@ -37,7 +38,7 @@ PADDING = 5
 
 
 def _qwen3_next_model(dtype):
-    """A hybrid: three gated-delta-net (linear attention) layers per full-attention layer."""
+    """A hybrid: a gated-delta-net (linear attention) layer before each full-attention layer."""
     torch.manual_seed(0)
     config = transformers.Qwen3NextConfig(vocab_size=128,
                                           hidden_size=64,
@@ -47,16 +48,9 @@ def _qwen3_next_model(dtype):
                                           num_key_value_heads=2,
                                           head_dim=16,
                                           max_position_embeddings=64,
-                                          moe_intermediate_size=32,
-                                          shared_expert_intermediate_size=32,
-                                          num_experts=4,
-                                          num_experts_per_tok=2,
-                                          linear_num_value_heads=4,
-                                          linear_key_head_dim=16,
-                                          linear_value_head_dim=16,
-                                          linear_num_key_heads=2,
                                           layer_types=["linear_attention", "full_attention"] * 2,
-                                          attn_implementation="sdpa")
+                                          attn_implementation="sdpa",
+                                          **QWEN3_NEXT_HYBRID)
     return transformers.Qwen3NextForCausalLM(config).to(dtype)
 
 
@@ -150,6 +144,18 @@ def counted_step(model, inputs):
     return loss.detach(), param_grads(model), counter.calls
 
 
+def _live_tensors(model, *gradients):
+    """Shapes of the tensors of two or more dimensions alive now but for the model's parameters, their gradients and
+    its buffers, and the gradients kept by the test: what a step left behind."""
+    gc.collect()
+    owned = {id(tensor) for param in model.parameters() for tensor in (param, param.grad)}
+    owned.update(id(buffer) for buffer in model.buffers())
+    owned.update(id(grad) for grads in gradients for grad in grads.values())
+    return sorted(
+        tuple(obj.shape) for obj in gc.get_objects()
+        if issubclass(type(obj), torch.Tensor) and id(obj) not in owned and obj.dim() >= 2 and not obj.is_meta)
+
+
 @MODES
 @pytest.mark.parametrize("kind", BATCHES)
 @pytest.mark.parametrize("name", MODELS)
@@ -185,8 +191,9 @@ def test_a_flash_attention_2_step_is_stock(install, flash, name, kind, use_reent
         assert handle.peak_kept_bytes == calls * config.num_attention_heads * tokens * (padded_head_dim * 2 + 4)
     else:
         assert handle.peak_kept_bytes == calls * planned
-    del inputs, loss
+    del inputs, loss, expected_loss
     assert kept_outputs() == [] and live_checkpoint_calls() == []
+    assert _live_tensors(model, expected, grads) == []
 
 
 @MODES
@@ -320,10 +327,10 @@ def _call_of_a_stashed_layer(install):
 
 
 @pytest.mark.parametrize("argument,message", [
-    (dict(alibi_slopes=torch.ones(4, requires_grad=True)), r"needs ALiBi slopes that do not require grad"),
-    (dict(return_attn_probs=True), r"got return_attn_probs=True"),
-    (dict(block_table=torch.zeros(2, 1, dtype=torch.int32)), r"got a block_table"),
-    (dict(dropout_p=0.5), r"needs attention dropout 0"),
+    (lambda: dict(alibi_slopes=torch.ones(4, requires_grad=True)), r"needs ALiBi slopes that do not require grad"),
+    (lambda: dict(return_attn_probs=True), r"got return_attn_probs=True"),
+    (lambda: dict(block_table=torch.zeros(2, 1, dtype=torch.int32)), r"got a block_table"),
+    (lambda: dict(dropout_p=0.5), r"needs attention dropout 0"),
 ],
                          ids=["learned_alibi", "return_attn_probs", "block_table", "dropout"])
 def test_flash_arguments_the_replay_cannot_reproduce_are_refused(install, flash, argument, message):
@@ -339,7 +346,7 @@ def test_flash_arguments_the_replay_cannot_reproduce_are_refused(install, flash,
                      return_attn_probs=False,
                      block_table=None)
     with pytest.raises(RuntimeError, match=message):
-        call.flash(query, query, query, None, None, None, None, **{**arguments, **argument})
+        call.flash(query, query, query, None, None, None, None, **{**arguments, **argument()})
     assert call.kept == []
 
 
@@ -387,6 +394,79 @@ def test_an_install_without_flash_attn_is_refused(flash, monkeypatch):
                        r'attn_implementation="sdpa"'):
         attention_stash.install_attention_stash(model, 1)
     assert attention_stash._held is None
+
+
+def test_a_flash_attn_without_the_entry_points_the_stash_calls_is_refused(flash, monkeypatch):
+    model = flash_model("llama")
+    monkeypatch.setattr(attention_stash, "_flash_attn", None)
+    monkeypatch.delattr(FLASH_ATTN, "_wrapped_flash_attn_varlen_backward")
+    with pytest.raises(RuntimeError,
+                       match=r"needs flash-attn 2's interface as flash-attn 2\.8 has it, got flash_attn 2\.8\.3 "
+                       r"without _wrapped_flash_attn_varlen_backward\. Install flash-attn 2\.8"):
+        attention_stash.install_attention_stash(model, 1)
+    assert attention_stash._held is None
+
+
+@pytest.mark.parametrize("fault", ["count", "not_a_slice"])
+def test_a_flash_attn_node_that_saves_otherwise_is_refused(install, flash, monkeypatch, fault):
+    """Under non-reentrant checkpointing the stash reads the padded output, log-sum-exp and rng_state from
+    flash-attn's node's saves, which it checks: their count, and that the output is a slice of the fourth."""
+    model = flash_model("llama", use_reentrant=False)
+    install(model, 1)
+    if fault == "count":
+        monkeypatch.setattr(attention_stash._FlashAttnOps, "saves", 7)
+        expected, got = 7, "got 6 saved tensors"
+    else:
+        function = FLASH_ATTN.flash_attn_func
+
+        def copying_flash_attn_func(*args, **kwargs):
+            return function(*args, **kwargs).clone()
+
+        # Hugging Face imports it from the package, the stash from its interface module: both are replaced.
+        monkeypatch.setattr(FLASH_ATTN, "flash_attn_func", copying_flash_attn_func)
+        monkeypatch.setattr(sys.modules["flash_attn"], "flash_attn_func", copying_flash_attn_func)
+        expected, got = 6, "got an output that is not a slice of the fourth saved tensor"
+    with pytest.raises(RuntimeError,
+                       match=r"needs the autograd node of flash-attn 2 \(flash_attn_func\) to save "
+                       f"{expected} tensors and "
+                       f"return a slice of the fourth, the padded output, as flash-attn 2\\.8 does, {got} in "
+                       r"flash_attn 2\.8\.3\. Use reentrant checkpointing"):
+        model(**make_batch("plain")[0])
+
+
+def test_a_flash_entry_the_stash_cannot_serve_leaves_nothing_installed(flash, monkeypatch):
+    """A "flash_attention_2" entry that is not Hugging Face's function, in a model whose vision layers run sdpa and
+    whose text layers flash-attn: the install takes its hold on the sdpa entry first, and gives it back when the flash
+    one is refused."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    def other_flash_attention(module, query, key, value, attention_mask, **kwargs):
+        raise AssertionError("not called")
+
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._local_mapping, "flash_attention_2", other_flash_attention)
+    model = _llava_model(use_reentrant=True)
+    layers = len(attention_stash._model_attention_layers(model)[0])
+    with pytest.raises(RuntimeError,
+                       match=r"needs Hugging Face's flash_attention_2 attention function, which calls flash-attn "
+                       r"through transformers\.modeling_flash_attention_utils\._flash_attention_forward, as "
+                       r"ALL_ATTENTION_FUNCTIONS\[\"flash_attention_2\"\], got <function .*other_flash_attention"):
+        attention_stash.install_attention_stash(model, layers)
+    assert attention_stash._held is None and not attention_stash._STASHES
+    monkeypatch.undo()
+    assert_stock_process()
+
+
+def test_a_stashed_layer_reaching_another_implementation_s_entry_is_refused(install, flash):
+    """An sdpa model switched to flash_attention_2 after its install while a flash model's stash holds that entry:
+    its stashed layer reaches the flash entry, which names the implementation the layer was installed with."""
+    sdpa_model = checkpointed(llama_model(DTYPE))
+    install(sdpa_model, 1)
+    install(flash_model("llama"), 1)
+    sdpa_model.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(RuntimeError,
+                       match=r'needs model\.layers\.2 to call attention with attn_implementation="sdpa", as at the '
+                       r'install, in each forward, got a forward with "flash_attention_2"'):
+        sdpa_model(**make_batch("plain")[0])
 
 
 def test_switching_a_flash_model_to_sdpa_after_the_install_is_refused(install, flash):

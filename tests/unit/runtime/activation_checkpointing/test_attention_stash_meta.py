@@ -30,7 +30,7 @@ from torch.nn.attention import SDPBackend
 
 from deepspeed.runtime.activation_checkpointing import attention_stash
 
-from attention_stash_helpers import checkpointed, live_checkpoint_calls
+from attention_stash_helpers import QWEN3_NEXT_HYBRID, checkpointed, live_checkpoint_calls
 
 BATCH = 2
 # No dimension of the models' parameters has this size; not a multiple of 32, so that the memory-efficient kernel
@@ -72,14 +72,7 @@ MODELS = {
     # A hybrid: three gated-delta-net (linear attention) layers per full-attention layer.
     "qwen3_next": ("Qwen3NextForCausalLM", "Qwen3NextConfig",
                    dict(num_hidden_layers=4,
-                        moe_intermediate_size=32,
-                        shared_expert_intermediate_size=32,
-                        num_experts=4,
-                        num_experts_per_tok=2,
-                        linear_num_value_heads=4,
-                        linear_key_head_dim=16,
-                        linear_value_head_dim=16,
-                        linear_num_key_heads=2,
+                        **QWEN3_NEXT_HYBRID,
                         layer_types=["linear_attention", "linear_attention", "full_attention",
                                      "linear_attention"]), 1, 1),
 }
