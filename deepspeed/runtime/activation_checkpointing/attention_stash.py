@@ -893,27 +893,30 @@ class _CheckpointCall:
             kept.append(_Kept(ops, output, tensors, scalars, nbytes, out._version, order))
             self.stash.counters.add(nbytes)
         else:
-            self._take(entry, index)
-            try:
-                out = ops.replay(query, key, value, bias, entry, is_causal, scale)
-            except _StopRecomputationError:
-                # A non-reentrant checkpoint stops its recompute at its last save, which may be the node's.
-                self.stash.counters.served(entry.nbytes)
-                raise
-            except BaseException:
-                self.stash.counters.released(entry.nbytes)
-                raise
-            self.stash.counters.served(entry.nbytes)
+            out = self._replay(entry, index, ops.replay, query, key, value, bias, entry, is_causal, scale)
         return out[..., :head_dim] if head_dim else out
 
-    def _take(self, entry, index):
-        """Take the kept entry of attention call ``index`` for its recompute; raises for an output changed since."""
+    def _replay(self, entry, index, replay, *args):
+        """The recompute of attention call ``index``: takes its kept ``entry`` and returns ``replay(*args)``, the
+        recompute's node applied, counting the entry served, or released where the node raises. Raises for an output
+        changed since the forward."""
         if entry.output._version != entry.version:
             raise RuntimeError(f"{_FEATURE} needs the attention output of {self.stash.name} unchanged from its "
                                f"forward to its recompute, got an in-place change of it (or of a view of it) in "
                                f"the forward. Change a copy of the attention output, or remove the stash from "
                                f"this layer.")
         self.kept[index] = None
+        try:
+            out = replay(*args)
+        except _StopRecomputationError:
+            # A non-reentrant checkpoint stops its recompute at its last save, which may be the node's.
+            self.stash.counters.served(entry.nbytes)
+            raise
+        except BaseException:
+            self.stash.counters.released(entry.nbytes)
+            raise
+        self.stash.counters.served(entry.nbytes)
+        return out
 
     def _raise_unlike_forward(self, entry, ops, query, index, device_type=None, choice=None):
         """Raise for a recompute's attention call that differs from its forward's in dtype or backend."""
@@ -982,17 +985,7 @@ class _CheckpointCall:
             raise RuntimeError(f"{_FEATURE} needs the recompute of {self.stash.name} to call {ops.name} with its "
                                f"forward's arguments, got another {differing} (attention call {index + 1}): the "
                                f"kept output is the forward's. {fix}.")
-        self._take(entry, index)
-        try:
-            out = ops.replay(query, key, value, entry, arguments)
-        except _StopRecomputationError:
-            self.stash.counters.served(entry.nbytes)
-            raise
-        except BaseException:
-            self.stash.counters.released(entry.nbytes)
-            raise
-        self.stash.counters.served(entry.nbytes)
-        return out
+        return self._replay(entry, index, ops.replay, query, key, value, entry, arguments)
 
     def _check_flash_arguments(self, dropout_p, return_attn_probs, block_table, alibi_slopes, softcap):
         """The guards of a flash-attn call with an argument other than Hugging Face's training defaults."""

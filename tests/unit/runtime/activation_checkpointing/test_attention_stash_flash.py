@@ -144,16 +144,21 @@ def counted_step(model, inputs):
     return loss.detach(), param_grads(model), counter.calls
 
 
-def _live_tensors(model, *gradients):
-    """Shapes of the tensors of two or more dimensions alive now but for the model's parameters, their gradients and
-    its buffers, and the gradients kept by the test: what a step left behind."""
+def _tensors():
     gc.collect()
-    owned = {id(tensor) for param in model.parameters() for tensor in (param, param.grad)}
+    return [obj for obj in gc.get_objects() if issubclass(type(obj), torch.Tensor)]
+
+
+def _live_tensors(before, model, *gradients):
+    """Shapes of the tensors of two or more dimensions alive now that were not in ``before`` (what _tensors() gave,
+    which holds them, so that no new tensor takes the id of one of them), but for the model's parameters, their
+    gradients and its buffers, and the gradients kept by the test: what a step left behind."""
+    owned = {id(tensor) for tensor in before}
+    owned.update(id(tensor) for param in model.parameters() for tensor in (param, param.grad))
     owned.update(id(buffer) for buffer in model.buffers())
     owned.update(id(grad) for grads in gradients for grad in grads.values())
     return sorted(
-        tuple(obj.shape) for obj in gc.get_objects()
-        if issubclass(type(obj), torch.Tensor) and id(obj) not in owned and obj.dim() >= 2 and not obj.is_meta)
+        tuple(obj.shape) for obj in _tensors() if id(obj) not in owned and obj.dim() >= 2 and not obj.is_meta)
 
 
 @MODES
@@ -168,6 +173,7 @@ def test_a_flash_attention_2_step_is_stock(install, flash, name, kind, use_reent
     _, layers, calls_per_layer = MODELS[name]
     calls = layers * calls_per_layer
     inputs, (batch, sequence) = make_batch(kind)
+    before = _tensors()
     varlen = "" if kind == "plain" else "varlen_"
     forward, backward = f"_flash_attn_{varlen}forward", f"_flash_attn_{varlen}backward"
 
@@ -193,7 +199,7 @@ def test_a_flash_attention_2_step_is_stock(install, flash, name, kind, use_reent
         assert handle.peak_kept_bytes == calls * planned
     del inputs, loss, expected_loss
     assert kept_outputs() == [] and live_checkpoint_calls() == []
-    assert _live_tensors(model, expected, grads) == []
+    assert _live_tensors(before, model, expected, grads) == []
 
 
 @MODES
