@@ -784,8 +784,9 @@ class _CheckpointCall:
     reached = False
     # A _Kept for each attention call of the first pass, None once the recompute took it.
     kept = ()
-    # What identifies each call's attention mask in the first pass, for the recompute to compare; None without masks:
-    # (True, identity) for a mask the checkpoint holds, (False, (shape, dtype), digest) for one built in the layer.
+    # What identifies the masks (and flash-attn's position_ids) of the first pass's calls, for the recompute to compare,
+    # by (call index, role); None without any: (True, identity) for a tensor the checkpoint holds, (False, (shape,
+    # dtype), digest) for one built in the layer.
     masks = None
 
     def __init__(self, stash, function):
@@ -815,6 +816,11 @@ class _CheckpointCall:
             # then, or the tensors it saved are not the forward's.
             if passes == 2 and self.stash.active and self.calls < len(self.kept):
                 self._check_recompute_calls()
+            raise
+        except BaseException:
+            # A refusal, or any error, in either pass: no recompute will take what is kept, so it goes now, not with
+            # the graph (which the caller's loss and the exception's frames may hold a while).
+            self._release()
             raise
         finally:
             _state.call = previous
@@ -1012,42 +1018,44 @@ class _CheckpointCall:
                            f"take gradients with backward() rather than torch.func.")
 
     def _check_arguments(self, attn_mask, dropout_p, index):
-        """The guards of an attention call that has dropout or a mask (or whose layer had a mask in the first pass);
-        each call's mask is remembered by the first pass and compared by the recompute's call of the same index."""
+        """The guards of an attention call that has dropout or a mask (or whose layer had a mask in the first pass)."""
         if dropout_p != 0.0:
             raise RuntimeError(f"{_FEATURE} needs attention dropout 0 in {self.stash.name}, got {dropout_p}. Set the "
                                f"model config's attention_dropout to 0.0, or remove the stash.")
         if attn_mask is not None and attn_mask.requires_grad:
             raise RuntimeError(f"{_FEATURE} needs an attention mask that does not require grad in {self.stash.name}, "
                                f"got a learned one. Remove the stash from layers with learned attention biases.")
+        self.compare_input(index, "attention mask", attn_mask)
+
+    def compare_input(self, index, role, tensor):
+        """Remember, in the first pass, the tensor that plays ``role`` in attention call ``index`` (an sdpa mask, or
+        the padding mask and position_ids that decide where Hugging Face's flash path unpads, packs and pads back a
+        batch), and compare the recompute's call of the same index with it. A tensor the checkpoint holds is compared
+        by identity and version counter, one built inside the layer by a digest of its values."""
         masks = self.masks
         if self.passes == 1:
-            if masks is None:
-                masks = self.masks = [None] * index
-            if attn_mask is None:
-                masks.append(None)
-            elif self._holds(attn_mask):
-                # While the checkpoint holds the mask no other tensor has its storage; the version counts changes.
-                masks.append((True, _mask_identity(attn_mask)))
-            else:
-                # Built inside the layer (a sparse-attention indexer's top-k, say): compared by value.
-                masks.append((False, (attn_mask.shape, attn_mask.dtype), _mask_digest(attn_mask)))
+            if tensor is not None:
+                if masks is None:
+                    masks = self.masks = {}
+                masks[index, role] = ((True, _mask_identity(tensor)) if self._holds(tensor) else
+                                      (False, (tensor.shape, tensor.dtype), _mask_digest(tensor)))
             return
-        expected = masks[index] if masks is not None and index < len(masks) else None
-        if (attn_mask is None) != (expected is None):
-            raise RuntimeError(f"{_FEATURE} needs the recompute of {self.stash.name} to get its forward's attention "
-                               f"mask, got a change from or to none: the kept output is the forward's.")
-        if attn_mask is None:
+        expected = None if masks is None else masks.get((index, role))
+        if (tensor is None) != (expected is None):
+            raise RuntimeError(f"{_FEATURE} needs the recompute of {self.stash.name} to get its forward's {role}, "
+                               f"got a change from or to none: the kept output is the forward's. Keep a batch's "
+                               f"masks and position_ids the same from a forward to its backward.")
+        if tensor is None:
             return
         if expected[0]:
-            if _mask_identity(attn_mask) != expected[1]:
-                raise RuntimeError(f"{_FEATURE} needs the recompute of {self.stash.name} to get its forward's "
-                                   f"attention mask, got another one (another tensor, shape or version): the kept "
-                                   f"output is the forward's. Do not change a mask in place between a forward and its "
-                                   f"backward.")
-        elif (attn_mask.shape, attn_mask.dtype) != expected[1] or not all(
-                torch.equal(ours, theirs) for ours, theirs in zip(_mask_digest(attn_mask), expected[2])):
-            raise RuntimeError(f"{_FEATURE} needs the recompute of {self.stash.name} to build the attention mask its "
+            if _mask_identity(tensor) != expected[1]:
+                raise RuntimeError(f"{_FEATURE} needs the recompute of {self.stash.name} to get its forward's {role}, "
+                                   f"got another one (another tensor, shape or version): the kept output is the "
+                                   f"forward's. Do not change a mask or position_ids in place between a forward and "
+                                   f"its backward.")
+        elif (tensor.shape, tensor.dtype) != expected[1] or not all(
+                torch.equal(ours, theirs) for ours, theirs in zip(_mask_digest(tensor), expected[2])):
+            raise RuntimeError(f"{_FEATURE} needs the recompute of {self.stash.name} to build the {role} its "
                                f"forward built inside the layer, got one with other values (a nondeterministic "
                                f"choice, such as a top-k over tied scores, can differ between the passes): the kept "
                                f"output is the forward's. Make the mask's computation deterministic, or remove the "
@@ -1392,7 +1400,27 @@ def _flash_copy(function, where):
                            f"function, or another kernel). Install the stash before wrapping or replacing that entry.")
     lazy_import = partial(_stashing_flash_import, inner.__globals__["lazy_import_flash_attention"])
     inner_copy = _copy_with(inner, {"lazy_import_flash_attention": lazy_import})
-    return _copy_with(function, {"_flash_attention_forward": inner_copy}), (function, inner)
+    checked = partial(_flash_inputs_checked, inner_copy)
+    return _copy_with(function, {"_flash_attention_forward": checked}), (function, inner)
+
+
+def _flash_inputs_checked(flash_attention_forward,
+                          query,
+                          key,
+                          value,
+                          attention_mask,
+                          *args,
+                          position_ids=None,
+                          **kwargs):
+    """Hugging Face's _flash_attention_forward for a stashed call, once the current checkpoint call has compared
+    what decides where the kept output goes, but never reaches flash-attn: the padding mask, from which Hugging Face
+    unpads the batch and pads the output back (a mask whose rows keep their number of tokens at other positions gives
+    the same cu_seqlens), and the position_ids it packs a batch from (and rotates the queries and keys with)."""
+    call = _state.call
+    if attention_mask is not None or position_ids is not None or call.masks is not None:
+        call.compare_input(call.calls, "padding mask", attention_mask)
+        call.compare_input(call.calls, "position_ids", position_ids)
+    return flash_attention_forward(query, key, value, attention_mask, *args, position_ids=position_ids, **kwargs)
 
 
 def _stashing_flash_import(lazy_import, implementation, *args, **kwargs):
@@ -1750,16 +1778,17 @@ def _rank_heads(heads, key_heads, ranks):
 
 
 def _layer_bytes(model, attention_layers, micro_batch_size, sequence_length, dtype, device, ranks=1):
-    """Bytes each attention layer would keep per micro-batch in flight, last layer first, with the layer names; under
-    Ulysses sequence parallelism over ``ranks``, one rank's: its share of the heads over the whole sequence. For
-    flash-attn, the layout of its kernels; for sdpa, that of the backend PyTorch picks on ``device``."""
+    """Bytes each attention layer would keep per micro-batch in flight, with the layer's name, last layer first and
+    as far as the caller reads (a layer the stash would not serve raises only once reached); under Ulysses sequence
+    parallelism over ``ranks``, one rank's: its share of the heads over the whole sequence. For flash-attn, the layout
+    of its kernels; for sdpa, that of the backend PyTorch picks on ``device``."""
     _check_positive_int("micro_batch_size", micro_batch_size)
     _check_positive_int("sequence_length", sequence_length)
     if device is None:
         from deepspeed.accelerator import get_accelerator
         device = get_accelerator().device_name()
     device = torch.device(device)
-    sizes, backends = [], {}
+    backends = {}
     for name, _, modules in reversed(attention_layers):
         nbytes = 0
         implementation = _layer_implementation(name, modules, model)
@@ -1785,8 +1814,7 @@ def _layer_bytes(model, attention_layers, micro_batch_size, sequence_length, dty
             else:
                 ops = backends[geometry]
             nbytes += ops.kept_bytes(micro_batch_size, heads, sequence_length, head_dim, dtype)
-        sizes.append((name, nbytes))
-    return sizes
+        yield name, nbytes
 
 
 def attention_stash_layer_bytes(model: torch.nn.Module,
@@ -1811,8 +1839,9 @@ def attention_stash_layer_bytes(model: torch.nn.Module,
     """
     attention_layers, _ = _model_attention_layers(model)
     ranks, _ = _sequence_parallel_ranks(sequence_parallel_size, model, attention_layers)
-    return _layer_bytes(model, attention_layers, micro_batch_size, sequence_length, dtype or _model_dtype(model),
-                        device, ranks)[0][1]
+    return next(
+        _layer_bytes(model, attention_layers, micro_batch_size, sequence_length, dtype or _model_dtype(model), device,
+                     ranks))[1]
 
 
 def attention_stash_layers_for_budget(model: torch.nn.Module,
@@ -1841,12 +1870,20 @@ def _fitting_layers(sizes, memory_budget, micro_batches_in_flight):
         raise ValueError(f"{_FEATURE} needs a memory_budget in bytes of 0 or more, got {memory_budget!r}.")
     _check_positive_int("micro_batches_in_flight", micro_batches_in_flight)
     total, fitting = 0, 0
-    for _, nbytes in sizes:
+    while True:
+        try:
+            _, nbytes = next(sizes)
+        except StopIteration:
+            return fitting
+        except RuntimeError:
+            # A layer the stash would not serve (another attention implementation): the layers taken end before it.
+            if fitting:
+                return fitting
+            raise
         total += nbytes * micro_batches_in_flight
         if total > memory_budget:
-            break
+            return fitting
         fitting += 1
-    return fitting
 
 
 # The attention implementations the stash serves, as Hugging Face names them.
@@ -1991,7 +2028,7 @@ def _install_message(model, chosen, implementations, attention_layers, others, s
     per_rank = (f" on each rank of Ulysses sequence parallelism over {count} ranks ({how}): its share of the heads "
                 f"over the whole sequence" if count > 1 else "")
     if sizes is not None:
-        total = sum(nbytes for _, nbytes in sizes[:len(chosen)])
+        total = sum(nbytes for _, nbytes in sizes)
         cost = (f"{total:,} bytes per micro-batch in flight{per_rank} (micro-batch {micro_batch_size}, sequence "
                 f"{sequence_length})")
     else:
@@ -2165,23 +2202,30 @@ def install_attention_stash(model: torch.nn.Module,
                 calls = []
             for heads, key_heads, _ in calls:
                 _rank_heads(heads, key_heads, ranks[0])
-    sizes = None
-    if micro_batch_size is not None or sequence_length is not None:
-        if micro_batch_size is None or sequence_length is None:
-            raise TypeError(f"{_FEATURE} needs both micro_batch_size and sequence_length, or neither, got one.")
-        sizes = _layer_bytes(model, attention_layers, micro_batch_size, sequence_length, _model_dtype(model), None,
-                             ranks[0])
+    if (micro_batch_size is None) != (sequence_length is None):
+        raise TypeError(f"{_FEATURE} needs both micro_batch_size and sequence_length, or neither, got one.")
+    # The planner sizes the layers the stash takes, from the last one: an earlier layer it would not serve (another
+    # attention implementation) is never sized.
+    planned = partial(_layer_bytes,
+                      model,
+                      micro_batch_size=micro_batch_size,
+                      sequence_length=sequence_length,
+                      dtype=_model_dtype(model),
+                      device=None,
+                      ranks=ranks[0])
     if memory_budget is not None:
-        num_layers = _fitting_layers(sizes, memory_budget, micro_batches_in_flight)
+        num_layers = _fitting_layers(planned(attention_layers), memory_budget, micro_batches_in_flight)
         if num_layers == 0:
-            raise ValueError(f"{_FEATURE} needs a memory_budget of at least one layer's {sizes[0][1]:,} bytes per "
-                             f"micro-batch in flight x {micro_batches_in_flight}, got {memory_budget:,}.")
+            raise ValueError(f"{_FEATURE} needs a memory_budget of at least one layer's "
+                             f"{next(planned(attention_layers))[1]:,} bytes per micro-batch in flight x "
+                             f"{micro_batches_in_flight}, got {memory_budget:,}.")
     if not 1 <= num_layers <= len(attention_layers):
         checkpointed = "checkpointed " if any(why == _NOT_CHECKPOINTED for _, why in others) else ""
         raise ValueError(f"{_FEATURE} needs num_layers from 1 to the model's {len(attention_layers)} {checkpointed}"
                          f"attention layers (of {len(attention_layers) + len(others)} decoder layers), got "
                          f"{num_layers}.")
     chosen = attention_layers[-num_layers:]
+    sizes = None if micro_batch_size is None else list(planned(chosen))
     # Each stashed layer's attention implementation, as its attention modules' config says.
     configs = [_attention_config(modules, model) for _, _, modules in chosen]
     implementations = [_layer_implementation(name, modules, model) for name, _, modules in chosen]

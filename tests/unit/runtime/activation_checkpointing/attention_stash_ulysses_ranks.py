@@ -290,6 +290,34 @@ def changed_after_the_install(report):
     unregister_alst()
 
 
+def fewer_key_heads(rank, report):
+    """One key/value head over two ranks, which ALST replicates on each: planned and served, bitwise against ALST
+    alone, in both checkpoint modes; the bytes kept (the rank's two query heads) are the planner's."""
+    sequence = SEQUENCES[0]
+    for use_reentrant in (True, False):
+        results, case = [], {}
+        for stashed in (False, True):
+            model = checkpointed(llama_model(num_key_value_heads=1), use_reentrant=use_reentrant)
+            register_alst(model)
+            handle = attention_stash.install_attention_stash(model, NUM_LAYERS) if stashed else None
+            results.append(step(model, sequence, rank, handle))
+            if handle is not None:
+                case = {
+                    "served":
+                    handle.recomputes_served,
+                    "kept_after_forward":
+                    results[-1][2]["kept_after_forward"],
+                    "kept_after_backward":
+                    results[-1][2]["kept_after_backward"],
+                    "planned":
+                    NUM_LAYERS * attention_stash.attention_stash_layer_bytes(model, BATCH, sequence, device="cpu"),
+                }
+                handle.remove()
+            unregister_alst()
+        case["bitwise"] = same(results[0], results[1])
+        report[f"fewer_key_heads_{'reentrant' if use_reentrant else 'non_reentrant'}"] = case
+
+
 def main():
     deepspeed.init_distributed("gloo")
     rank = torch.distributed.get_rank()
@@ -297,6 +325,7 @@ def main():
     for use_reentrant in (True, False):
         orders(rank, use_reentrant, report)
     rest_of_the_setup(rank, report)
+    fewer_key_heads(rank, report)
     refused_core(report)
     changed_after_the_install(report)
     with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as file:

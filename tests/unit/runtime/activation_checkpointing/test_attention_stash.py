@@ -522,6 +522,8 @@ def test_rejects_a_recompute_with_fewer_attention_calls(install):
     with pytest.raises(RuntimeError,
                        match="needs the recompute of model.layers.2 to make its forward's 2 attention calls, got 1"):
         loss.backward()
+    # Released at once, while the caller still holds the loss and with it the graph.
+    assert (handle.num_kept, handle.recomputes_served, handle.released_without_backward) == (0, 1, 1)
     del loss
     gc.collect()
     assert (handle.num_kept, handle.recomputes_served, handle.released_without_backward) == (0, 1, 1)
@@ -680,7 +682,7 @@ def _replay(query, key, value, mask, gqa, leaves):
 
 def test_rejects_a_recompute_under_a_torch_func_transform():
     """The recompute's node is applied without autograd.Function.apply's functorch handling: under a torch.func
-    transform the stash raises, serves nothing, and its kept output is released with the call."""
+    transform the stash raises, serves nothing, and releases its kept output at once, while the call still lives."""
     query, key, value = (torch.randn(1, 4, 8, 8) for _ in range(3))
     call, counters = _bare_call()
     with torch.no_grad():
@@ -689,7 +691,8 @@ def test_rejects_a_recompute_under_a_torch_func_transform():
                        match="needs the training forwards of attention to run under autograd alone, got a "
                        "torch.func transform"):
         torch.func.grad(lambda query: call(query, key, value, is_causal=True).sum())(query.clone())
-    assert (counters.kept, counters.recomputes_served) == (1, 0)
+    assert (counters.kept, counters.kept_bytes, counters.recomputes_served,
+            counters.released_without_backward) == (0, 0, 0, 1)
     call = None
     assert (counters.kept, counters.kept_bytes, counters.released_without_backward) == (0, 0, 1)
 
@@ -703,7 +706,7 @@ def test_rejects_a_first_pass_with_grad_under_a_torch_func_transform():
                        match="needs the training forwards of attention to run under autograd alone, got a "
                        "torch.func transform"):
         torch.func.grad(lambda query: call(query, key, value, is_causal=True).sum())(query.clone())
-    assert (counters.kept, counters.kept_bytes, call.kept) == (0, 0, [])
+    assert (counters.kept, counters.kept_bytes, counters.released_without_backward, list(call.kept)) == (0, 0, 0, [])
 
 
 REPLAY_CASES = [("cpu", SDPBackend.FLASH_ATTENTION)] + [("cuda", backend) for backend in CUDA_BACKENDS]
@@ -876,3 +879,32 @@ def test_autoep_engine_step_with_and_without_the_stash(install):
             # cuDNN accumulates dQ in a nondeterministic order, which reaches the query projection's gradient, and
             # through dQ the others upstream of it; 1e-2 relative L2 bounds that run-to-run spread.
             assert (grad - expected[name]).norm() <= 1e-2 * expected[name].norm(), name
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["causal", "padded"])
+def test_a_recompute_node_with_the_kernel_s_save_order_differentiates_as_autograd(masked):
+    """Under non-reentrant checkpointing the first pass runs the kernel with grad and the recompute's node saves in
+    that kernel node's order; its own backward (which runs only where the recompute's graph is differentiated itself)
+    reads them back in that order and gives autograd's gradients, bitwise on CPU."""
+    torch.manual_seed(0)
+    query, key, value = (torch.randn(2, 4, 16, 8) for _ in range(3))
+    mask = _left_padding_mask(2, 16, "cpu") if masked else None
+    arguments = dict(attn_mask=mask, is_causal=mask is None)
+    grad_out = torch.randn_like(query)
+
+    def leaves():
+        return [t.clone().requires_grad_() for t in (query, key, value)]
+
+    expected_inputs = leaves()
+    torch.nn.functional.scaled_dot_product_attention(*expected_inputs, **arguments).backward(grad_out)
+    call, counters = _bare_call()
+    # Saved-tensor hooks in force, as a non-reentrant checkpoint's first pass has them: the order is learned there.
+    with torch.autograd.graph.saved_tensors_hooks(lambda tensor: tensor, lambda tensor: tensor):
+        first = call(*leaves(), **arguments)
+    assert call.kept[0].order is not None
+    inputs = leaves()
+    replayed = call(*inputs, **arguments)
+    assert torch.equal(first.detach(), replayed) and counters.recomputes_served == 1
+    replayed.backward(grad_out)
+    for got, expected in zip(inputs, expected_inputs):
+        assert torch.equal(got.grad, expected.grad)

@@ -324,3 +324,27 @@ def test_deepspeed_checkpoint_function_under_autocast(install, deepspeed_checkpo
     assert handle.recomputes_served == NUM_LAYERS
     assert torch.equal(loss, expected_loss)
     assert_same_grads(grads, expected)
+
+
+def test_a_flash_recompute_without_autocast_is_refused(install, deepspeed_checkpointing, monkeypatch):
+    """The same under flash_attention_2: Hugging Face casts the forward's float32 queries to autocast's bfloat16 for
+    flash-attn, but not the recompute's, outside autocast; the stash names both dtypes and releases what it kept,
+    where flash-attn's path would otherwise reach its kernels in float32."""
+    from attention_stash_flash import flash_attn_or_skip, use_flash_attention_2
+
+    flash_attn_or_skip()
+    use_flash_attention_2(monkeypatch)
+    deepspeed_checkpointing()
+    model = mixtral_model()
+    model.config._attn_implementation = "flash_attention_2"
+    model = deepspeed_checkpointed(model)
+    handle = install(model, NUM_LAYERS)
+    ids = batch_ids()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(input_ids=ids, labels=ids).loss
+    with pytest.raises(RuntimeError,
+                       match="needs the recompute of model.layers.2 to run attention in its forward's dtype, got "
+                       "torch.bfloat16 in the forward and torch.float32 in the recompute \\(attention call 1\\): "
+                       "autocast differs between the passes"):
+        loss.backward()
+    assert (handle.num_kept, handle.recomputes_served, handle.released_without_backward) == (0, 0, 1)

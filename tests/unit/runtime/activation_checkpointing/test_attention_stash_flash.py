@@ -639,3 +639,227 @@ def test_each_layer_is_served_with_its_own_config_s_implementation(install, flas
     assert (handle.recomputes_served, handle.num_kept) == (layers, 0)
     assert torch.equal(loss, expected_loss)
     assert_same_grads(grads, expected)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# A recompute whose flash-attn call would differ from its forward's: each difference refused, what was kept released
+# at once (while the caller still holds the loss, and with it the graph).
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _assert_released_at_once(handle, layers=1):
+    assert (handle.num_kept, handle.kept_bytes, handle.recomputes_served,
+            handle.released_without_backward) == (0, 0, 0, layers)
+
+
+@MODES
+@pytest.mark.parametrize("change", ["moved", "lengths"])
+def test_a_padding_mask_changed_in_place_is_refused(install, flash, change, use_reentrant):
+    """A right-padded batch, unpadded to flash_attn_varlen_func, whose mask is changed in place between the forward
+    and the backward. "moved": each row keeps its number of tokens, at other positions (the padding moved to the
+    row's start): the recompute's cu_seqlens equal the forward's, but Hugging Face would pad the kept output back at
+    the new positions. "lengths": a row loses tokens. Both are refused, naming the padding mask."""
+    model = flash_model("llama", use_reentrant)
+    inputs, _ = make_batch("plain")
+    # A boolean mask reaches the layers as it is (Hugging Face converts an integer one to a new boolean tensor).
+    mask = torch.ones_like(inputs["input_ids"], dtype=torch.bool)
+    mask[1, -PADDING:] = False
+    handle = install(model, 1)
+    loss = model(**inputs, attention_mask=mask).loss
+    if change == "moved":
+        mask[1].copy_(mask[1].roll(PADDING))
+    else:
+        mask[0, -PADDING:] = False
+    with pytest.raises(RuntimeError,
+                       match=r"needs the recompute of model\.layers\.2 to get its forward's padding mask, got another "
+                       r"one \(another tensor, shape or version\): the kept output is the forward's\. Do not change a "
+                       r"mask or position_ids in place between a forward and its backward"):
+        loss.backward()
+    _assert_released_at_once(handle)
+    del loss
+    assert kept_outputs() == [] and live_checkpoint_calls() == []
+
+
+@MODES
+def test_an_unchanged_right_padded_batch_is_served(install, flash, use_reentrant):
+    """The same right-padded batch, unchanged: served bitwise, the mask compared without a value read."""
+    model = flash_model("llama", use_reentrant)
+    inputs, _ = make_batch("plain")
+    mask = torch.ones_like(inputs["input_ids"])
+    mask[1, -PADDING:] = 0
+    inputs.update(attention_mask=mask, labels=inputs["labels"].masked_fill(mask == 0, -100))
+    expected_loss, expected, _ = counted_step(model, inputs)
+    handle = install(model, 3)
+    loss, grads, calls = counted_step(model, inputs)
+    assert calls == {"_flash_attn_varlen_forward": 3, "_flash_attn_varlen_backward": 3}
+    assert (handle.recomputes_served, handle.num_kept, handle.released_without_backward) == (3, 0, 0)
+    assert torch.equal(loss, expected_loss)
+    assert_same_grads(grads, expected)
+
+
+def _position_ids_within_a_document(inputs, monkeypatch):
+    # Hugging Face derives the same cu_seqlens and maximum lengths: the flash-attn call's arguments agree, but the
+    # recompute would rotate its queries and keys by other positions than the kept output's.
+    inputs["position_ids"][0, DOCUMENTS[0] + 3] += 1
+
+
+def _repacked_documents(inputs, monkeypatch):
+    # cu_seqlens of the forward's shape and maximum, other boundaries (documents 24+40 packed as 40+24), derived anew
+    # in the recompute and so compared by value. The stash's copy of Hugging Face's function follows the patch.
+    import transformers.modeling_flash_attention_utils as flash_utils
+
+    prepare = flash_utils._prepare_from_posids
+
+    def repacked(*args, **kwargs):
+        query, key, value, (cu_seqlens, _), max_lengths = prepare(*args, **kwargs)
+        cu_seqlens = torch.tensor([0, DOCUMENTS[1], sum(DOCUMENTS)], dtype=cu_seqlens.dtype)
+        return query, key, value, (cu_seqlens, cu_seqlens), max_lengths
+
+    monkeypatch.setattr(flash_utils, "_prepare_from_posids", repacked)
+
+
+def _collator_s_cu_seqlens_k(inputs, monkeypatch):
+    inputs["cu_seq_lens_k"][1] += 8
+
+
+@MODES
+@pytest.mark.parametrize("kind,change,message", [
+    ("packed_position_ids", _position_ids_within_a_document,
+     r"needs the recompute of model\.layers\.2 to get its forward's position_ids, got another one \(another tensor, "
+     r"shape or version\)"),
+    ("packed_position_ids", _repacked_documents,
+     r"call flash-attn 2 \(flash_attn_varlen_func\) with its forward's arguments, got another cu_seqlens_q "
+     r"\(attention call 1\)"),
+    ("packed_cu_seq_lens", _collator_s_cu_seqlens_k, r"got another cu_seqlens_k \(changed in place\) \(attention "
+     r"call 1\)"),
+],
+                         ids=["position_ids_within_a_document", "repacked_documents", "cu_seqlens_k_in_place"])
+def test_a_packed_batch_changed_between_the_passes_is_refused(install, flash, monkeypatch, kind, change, message,
+                                                              use_reentrant):
+    """A packed batch changed between the forward and the backward where the compared arguments could agree: each
+    refused by name, what was kept released at once."""
+    model = flash_model("llama", use_reentrant)
+    inputs, _ = make_batch(kind)
+    handle = install(model, 1)
+    loss = model(**inputs).loss
+    change(inputs, monkeypatch)
+    with pytest.raises(RuntimeError, match=message):
+        loss.backward()
+    _assert_released_at_once(handle)
+
+
+@MODES
+def test_max_lengths_as_tensors_are_compared_by_value(install, flash, monkeypatch, use_reentrant):
+    """Hugging Face's packing from position_ids passes the maximum lengths as 0-dimensional tensors, new in each pass:
+    equal ones are served, bitwise; another one is refused, naming it."""
+    import transformers.modeling_flash_attention_utils as flash_utils
+
+    model = flash_model("llama", use_reentrant)
+    inputs, _ = make_batch("packed_position_ids")
+    seen = []
+    prepare = flash_utils._prepare_from_posids
+
+    def recording(*args, **kwargs):
+        prepared = prepare(*args, **kwargs)
+        seen.append(prepared[-1])
+        return prepared
+
+    monkeypatch.setattr(flash_utils, "_prepare_from_posids", recording)
+    expected_loss, expected, _ = counted_step(model, inputs)
+    assert all(isinstance(length, torch.Tensor) and length.dim() == 0 for lengths in seen for length in lengths)
+    handle = install(model, 3)
+    loss, grads, _ = counted_step(model, inputs)
+    assert handle.recomputes_served == 3 and torch.equal(loss, expected_loss)
+    assert_same_grads(grads, expected)
+
+    loss = model(**inputs).loss
+
+    def longer(*args, **kwargs):
+        query, key, value, cu_seqlens, (max_length, _) = prepare(*args, **kwargs)
+        return query, key, value, cu_seqlens, (max_length + 1, max_length + 1)
+
+    monkeypatch.setattr(flash_utils, "_prepare_from_posids", longer)
+    with pytest.raises(RuntimeError, match=r"got another max_seqlen_q \(attention call 1\)"):
+        loss.backward()
+    # The last layer's recompute was refused and released its output; the others' go with the graph.
+    assert (handle.num_kept, handle.released_without_backward) == (2, 1)
+
+
+def _gemma2_model(use_reentrant):
+    torch.manual_seed(0)
+    config = transformers.Gemma2Config(vocab_size=128,
+                                       hidden_size=64,
+                                       intermediate_size=64,
+                                       num_hidden_layers=2,
+                                       num_attention_heads=4,
+                                       num_key_value_heads=2,
+                                       head_dim=16,
+                                       max_position_embeddings=64,
+                                       sliding_window=8,
+                                       attn_logit_softcapping=30.0,
+                                       attn_implementation="eager")
+    model = transformers.Gemma2ForCausalLM(config).to(DTYPE)
+    model.config._attn_implementation = "flash_attention_2"
+    return checkpointed(model, use_reentrant)
+
+
+def _other_window(model):
+    # Gemma2's sliding layers (the even ones) read their window at construction.
+    model.model.layers[0].self_attn.sliding_window = 4
+
+
+def _other_softcap(model):
+    for layer in model.model.layers:
+        layer.self_attn.attn_logit_softcapping = 20.0
+
+
+def _other_scale(model):
+    for layer in model.model.layers:
+        layer.self_attn.scaling *= 2
+
+
+@MODES
+@pytest.mark.parametrize("change,setting", [(_other_window, "window_size"), (_other_softcap, "softcap"),
+                                            (_other_scale, "softmax_scale")],
+                         ids=["window", "softcap", "scale"])
+def test_a_recompute_with_another_flash_setting_is_refused(install, flash, change, setting, use_reentrant):
+    """A Gemma2 (a sliding layer, then a global one, both softcapped) whose window, softcap or scale changes between
+    the forward and the backward: each is refused by name, the refused call's kept output goes at once, the other
+    layer's with the graph. The unchanged step is served bitwise."""
+    model = _gemma2_model(use_reentrant)
+    inputs, _ = make_batch("plain")
+    expected_loss, expected, _ = counted_step(model, inputs)
+    handle = install(model, 2)
+    loss, grads, calls = counted_step(model, inputs)
+    assert calls["_flash_attn_forward"] == 2 and handle.recomputes_served == 2
+    assert torch.equal(loss, expected_loss)
+    assert_same_grads(grads, expected)
+    loss = model(**inputs).loss
+    change(model)
+    with pytest.raises(RuntimeError,
+                       match=f"with its forward's arguments, got another {setting} \\(attention call 1\\): the kept "
+                       f"output is the forward's\\. Keep flash-attn's settings"):
+        loss.backward()
+    # The window is the first layer's, whose recompute comes last: the second layer's was served before.
+    window = change is _other_window
+    assert (handle.num_kept, handle.recomputes_served, handle.released_without_backward) == (1 - window, 2 + window, 1)
+    del loss
+    assert (handle.num_kept, handle.kept_bytes, handle.released_without_backward) == (0, 0, 2 - window)
+
+
+@MODES
+def test_trained_keys_and_values_beside_a_frozen_query_projection(install, flash, use_reentrant):
+    """Only the key and value projections train (LoRA on k/v alone): the first layer's queries need no grad while
+    its keys and values do. Served bitwise, with the recompute's attention forwards skipped."""
+    model = flash_model("llama", use_reentrant)
+    for name, param in model.named_parameters():
+        param.requires_grad_(".k_proj." in name or ".v_proj." in name)
+    inputs, _ = make_batch("plain")
+    expected_loss, expected, _ = counted_step(model, inputs)
+    assert any(".layers.0.self_attn.k_proj." in name for name in expected) or use_reentrant
+    handle = install(model, 3)
+    loss, grads, calls = counted_step(model, inputs)
+    assert calls["_flash_attn_forward"] == 3
+    assert (handle.recomputes_served, handle.num_kept) == (3, 0)
+    assert torch.equal(loss, expected_loss)
+    assert_same_grads(grads, expected)

@@ -141,7 +141,7 @@ def test_bf16_padded_batch(install):
 
 def test_rejects_a_mask_changed_between_forward_and_backward(install):
     model = checkpointed(llama_model())
-    install(model, 1)
+    handle = install(model, 1)
     masks = []
     model.model.layers[2].self_attn.register_forward_pre_hook(
         lambda module, args, kwargs: masks.append(kwargs["attention_mask"]), with_kwargs=True)
@@ -152,6 +152,8 @@ def test_rejects_a_mask_changed_between_forward_and_backward(install):
                        match="needs the recompute of model.layers.2 to get its forward's attention mask, got another "
                        "one"):
         loss.backward()
+    # What was kept goes at once, while the caller still holds the loss and with it the graph.
+    assert (handle.num_kept, handle.kept_bytes, handle.released_without_backward) == (0, 0, 1)
 
 
 def test_rejects_a_masked_call_that_pytorch_runs_on_math(install):
@@ -206,3 +208,35 @@ def test_memory_efficient_bias_is_aligned_with_the_same_values(keys):
     assert all(stride % 16 == 0 for stride in bias.stride()[:-1] if stride)
     expected = torch.zeros(2, 1, 8, keys).masked_fill(~mask, float("-inf")).expand(2, 4, 8, keys)
     assert torch.equal(bias, expected)
+
+
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_a_mask_built_in_the_layer_is_compared_in_every_row(install, kind):
+    """A mask the layer builds in each pass (not held by the checkpoint, so digested by value), longer than one
+    digest slice of 256 rows: a recompute whose mask differs only in a row of the first slice, where one blocked key
+    moves to another column, is refused; a boolean mask and a float one (its -inf entries) alike. The same mask in
+    both passes is served."""
+    sequence = 300
+    model = checkpointed(llama_model(max_position_embeddings=512))
+    handle = install(model, 1)
+    drift = []
+
+    def build(module, args, kwargs):
+        allowed = torch.ones(sequence, sequence, dtype=torch.bool).tril()
+        if drift and drift.pop():
+            # The recompute's row 10 blocks key 0 and attends to key 11 instead: as many keys, other columns.
+            allowed[10, 0], allowed[10, 11] = False, True
+        mask = allowed if kind == "bool" else torch.zeros(sequence, sequence).masked_fill(~allowed, float("-inf"))
+        return args, {**kwargs, "attention_mask": mask.expand(2, 1, sequence, sequence)}
+
+    model.model.layers[2].self_attn.register_forward_pre_hook(build, with_kwargs=True)
+    ids = batch_ids(sequence=sequence)
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert (handle.recomputes_served, handle.num_kept) == (1, 0)
+    drift.extend([True, False])  # popped from the end: the forward's mask unchanged, the recompute's drifted
+    loss = model(input_ids=ids, labels=ids).loss
+    with pytest.raises(RuntimeError,
+                       match="needs the recompute of model.layers.2 to build the attention mask its forward built "
+                       "inside the layer, got one with other values"):
+        loss.backward()
+    assert (handle.num_kept, handle.recomputes_served, handle.released_without_backward) == (0, 1, 1)

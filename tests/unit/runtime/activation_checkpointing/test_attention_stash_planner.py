@@ -188,3 +188,35 @@ def test_a_sequence_parallel_size_that_does_not_split_the_heads_is_refused(shape
                        "3 ranks"):
         install_attention_stash(model, 1, sequence_parallel_size=3, **shape)
     assert_stock_process()
+
+
+def test_the_planner_sizes_the_layers_the_stash_serves(install):
+    """A model whose first attention layer runs another implementation (its attention module's own config says
+    "eager") than its last two ("sdpa"): the install with a batch shape and the budget planner size the layers they
+    take from the end, and never the eager one; a budget that would reach it takes the layers after it, and an install
+    of every layer names it. With sequence_parallel_size the install line's figure is one rank's, half the heads."""
+    import copy
+
+    model = checkpointed(llama_model())
+    attention = model.model.layers[0].self_attn
+    attention.config = copy.copy(attention.config)
+    attention.config._attn_implementation = "eager"
+    per_layer = 2 * 32 * 4 * (16 * 4 + 4)
+    assert attention_stash_layer_bytes(model, 2, 32, device="cpu") == per_layer
+    assert attention_stash_layers_for_budget(model, 2 * per_layer, 2, 32, device="cpu") == 2
+    with logged_messages() as messages:
+        handle = install(model, 2, micro_batch_size=2, sequence_length=32, sequence_parallel_size=2)
+    assert (f"keeping the attention output of 2 of 3 attention layers (model.layers.1 to model.layers.2) for their "
+            f"recompute: {per_layer:,} bytes per micro-batch in flight on each rank of Ulysses sequence parallelism "
+            f"over 2 ranks (given)") in messages[0]
+    handle.remove()
+    handle = install(model, memory_budget=3 * per_layer, micro_batch_size=2, sequence_length=32)
+    assert handle.layers == ("model.layers.1", "model.layers.2")
+    ids = batch_ids()
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert (handle.recomputes_served, handle.peak_kept_bytes) == (2, 2 * per_layer)
+    handle.remove()
+    assert attention_stash_layers_for_budget(model, 3 * per_layer, 2, 32, device="cpu") == 2
+    with pytest.raises(RuntimeError, match=r"got 'eager' on LlamaForCausalLM \(model\.layers\.0\)"):
+        install_attention_stash(model, 3)
+    assert_stock_process()

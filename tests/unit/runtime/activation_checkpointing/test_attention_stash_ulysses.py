@@ -59,9 +59,10 @@ def test_the_planner_counts_one_ranks_bytes(reports, order, mode):
         assert case["planned_found"] == expected and case["planned_given"] == expected
         assert case["layers_for_budget"] == NUM_LAYERS
         if order == "stash_first":
-            assert ("bytes per token of each micro-batch in flight in torch.float32 on each rank of Ulysses "
-                    "sequence parallelism over 2 ranks (given): its share of the heads over the whole sequence"
-                    ) in case["install_line"]
+            # Without a batch shape, per token: 3 layers x 2 heads x (16 x 4 bytes of output + 4 of log-sum-exp).
+            assert (f"{NUM_LAYERS * 2 * (16 * 4 + 4):,} bytes per token of each micro-batch in flight in "
+                    f"torch.float32 on each rank of Ulysses sequence parallelism over 2 ranks (given): its share of "
+                    f"the heads over the whole sequence") in case["install_line"]
         else:
             assert (f"{expected[0]:,} bytes per micro-batch in flight on each rank of Ulysses sequence parallelism "
                     f"over 2 ranks (found registered): its share of the heads over the whole sequence (micro-batch 2, "
@@ -76,6 +77,21 @@ def test_the_rest_of_an_alst_setup_composes(reports, setup):
     every layer served, nothing kept after the step."""
     for report in reports:
         assert report[setup] == {"served": NUM_LAYERS, "kept": 0, "bitwise": True}, report["rank"]
+
+
+@pytest.mark.parametrize("mode", ["reentrant", "non_reentrant"])
+def test_fewer_key_value_heads_than_ranks_are_planned_and_served(reports, mode):
+    """One key/value head over two ranks (ALST replicates it): bitwise against ALST alone, every layer served, the
+    bytes kept one rank's two query heads, as the planner counts them."""
+    expected = NUM_LAYERS * 2 * 2 * SEQUENCES[0] * (16 * 4 + 4)
+    for report in reports:
+        assert report[f"fewer_key_heads_{mode}"] == {
+            "served": NUM_LAYERS,
+            "kept_after_forward": expected,
+            "kept_after_backward": 0,
+            "planned": expected,
+            "bitwise": True
+        }, report["rank"]
 
 
 def test_a_core_function_the_stash_cannot_serve_is_refused(reports):
