@@ -254,34 +254,40 @@ def test_a_recompute_with_other_cu_seqlens_is_refused(install, flash, use_reentr
 
 @MODES
 def test_a_recompute_with_other_document_lengths_is_refused(install, flash, use_reentrant):
-    """position_ids changed in place between the forward and the backward: Hugging Face derives other document
-    lengths in the recompute, and the stash names the first argument that differs, the longest document."""
+    """position_ids changed in place between the forward and the backward, so that Hugging Face would derive other
+    document lengths in the recompute: the stash names the position_ids, which it compares before the flash-attn call
+    (by identity and version, as the checkpoint holds them), and releases what the refused layer kept at once."""
     model = flash_model("llama", use_reentrant)
     inputs, _ = make_batch("packed_position_ids")
-    install(model, 3)
+    handle = install(model, 3)
     loss = model(**inputs).loss
     inputs["position_ids"].copy_(torch.cat([torch.arange(32), torch.arange(32)]).unsqueeze(0))
     with pytest.raises(RuntimeError,
-                       match=r"got another max_seqlen_q \(attention call 1\): the kept output is the "
-                       r"forward's\. Keep the batch's packing"):
+                       match=r"needs the recompute of model\.layers\.2 to get its forward's position_ids, got another "
+                       r"one \(another tensor, shape or version\): the kept output is the forward's\. Do not change a "
+                       r"mask or position_ids in place"):
         loss.backward()
+    assert (handle.num_kept, handle.released_without_backward) == (2, 1)
 
 
 @MODES
-def test_a_recompute_that_packs_a_batch_its_forward_did_not_is_refused(install, flash, use_reentrant):
-    """A forward that ran flash_attn_func and a recompute that runs flash_attn_varlen_func: the kept output is the
-    plain one, and the stash names both."""
+def test_a_recompute_that_packs_a_batch_its_forward_did_not_is_refused(install, flash, monkeypatch, use_reentrant):
+    """A forward that ran flash_attn_func and a recompute that runs flash_attn_varlen_func on the same inputs (Hugging
+    Face's packing test answering otherwise in the recompute, which the stash's copy of its function follows): the
+    kept output is the plain one, and the stash names both."""
+    import transformers.modeling_flash_attention_utils as flash_utils
+
     model = flash_model("llama", use_reentrant)
     inputs, _ = make_batch("packed_position_ids")
-    install(model, 3)
-    flat = torch.arange(64).unsqueeze(0)
-    loss = model(**{**inputs, "position_ids": flat}).loss
-    flat.copy_(inputs["position_ids"])
+    handle = install(model, 3)
+    loss = model(**{**inputs, "position_ids": torch.arange(64).unsqueeze(0)}).loss
+    monkeypatch.setattr(flash_utils, "_is_packed_sequence", lambda position_ids, batch_size: True)
     with pytest.raises(RuntimeError,
                        match=r"needs one attention kernel for both passes of model\.layers\.2, got flash-attn 2 "
                        r"\(flash_attn_func\) in the forward and flash-attn 2 \(flash_attn_varlen_func\) in the "
                        r"recompute"):
         loss.backward()
+    assert (handle.num_kept, handle.released_without_backward) == (2, 1)
 
 
 @MODES
