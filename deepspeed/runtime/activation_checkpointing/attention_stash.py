@@ -472,7 +472,8 @@ def _mask_identity(mask):
 
 # Rows of a mask digested at once, so that a digest never holds more than this slice of the mask in float64.
 _DIGEST_ROWS = 256
-# Random weights over the keys of a mask, per key count and device.
+# Random weights over the keys of a mask, per device: one vector, extended when a mask with more keys comes and never
+# changed in its prefix, so that two digests of one shape use the same weights; as long as the most keys digested.
 _DIGEST_WEIGHTS = {}
 
 
@@ -482,10 +483,13 @@ def _mask_digest(mask):
     Equal masks give equal digests bit for bit (the same kernels on the same shapes); a mask with other values gives
     another, but for a coincidence of the weights."""
     keys = mask.shape[-1]
-    weights = _DIGEST_WEIGHTS.get((keys, mask.device))
-    if weights is None:
-        weights = torch.rand(keys, dtype=torch.float64, generator=torch.Generator().manual_seed(keys)) + 1.0
-        weights = _DIGEST_WEIGHTS[keys, mask.device] = weights.to(mask.device)
+    weights = _DIGEST_WEIGHTS.get(mask.device)
+    have = 0 if weights is None else weights.numel()
+    if have < keys:
+        more = torch.rand(keys - have, dtype=torch.float64, generator=torch.Generator().manual_seed(have)) + 1.0
+        more = more.to(mask.device)
+        weights = _DIGEST_WEIGHTS[mask.device] = more if weights is None else torch.cat([weights, more])
+    weights = weights[:keys]
     digest = []
     for rows in mask.split(_DIGEST_ROWS, dim=-2):
         if rows.dtype == torch.bool:

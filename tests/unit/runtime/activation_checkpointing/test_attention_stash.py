@@ -908,3 +908,78 @@ def test_a_recompute_node_with_the_kernel_s_save_order_differentiates_as_autogra
     replayed.backward(grad_out)
     for got, expected in zip(inputs, expected_inputs):
         assert torch.equal(got.grad, expected.grad)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Paths no other test reached: each guard fires, each fallback does what it says.
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_a_recompute_node_that_raises_counts_its_entry_released_once(monkeypatch):
+    """The recompute's node raising (here a stand-in for any error inside it): its entry is counted released once,
+    not served, and nothing stays kept."""
+    query, key, value = (torch.randn(1, 4, 8, 8) for _ in range(3))
+    call, counters = _bare_call()
+    with torch.no_grad():
+        call(query, key, value, is_causal=True)
+
+    def failing(*args):
+        raise RuntimeError("the node failed")
+
+    monkeypatch.setattr(attention_stash._CpuFlashOps, "replay", failing)
+    with pytest.raises(RuntimeError, match="the node failed"):
+        call(*(tensor.clone().requires_grad_() for tensor in (query, key, value)), is_causal=True)
+    assert (counters.kept, counters.kept_bytes, counters.recomputes_served,
+            counters.released_without_backward) == (0, 0, 0, 1)
+
+
+def test_a_recompute_without_its_forward_s_mask_is_refused():
+    """A first pass with a mask, a recompute without one: refused naming the change, and released at once."""
+    query, key, value = (torch.randn(2, 4, 16, 8) for _ in range(3))
+    call, counters = _bare_call()
+    with torch.no_grad():
+        call(query, key, value, attn_mask=_left_padding_mask(2, 16, "cpu"))
+    with pytest.raises(RuntimeError,
+                       match="needs the recompute of attention to get its forward's attention mask, got a change from "
+                       "or to none: the kept output is the forward's"):
+        call(*(tensor.clone().requires_grad_() for tensor in (query, key, value)), is_causal=True)
+    assert (counters.kept, counters.released_without_backward) == (0, 1)
+
+
+def test_a_recompute_on_a_backend_without_a_replay_is_refused(install):
+    """The forward on PyTorch's fused CPU kernel, the backward (and so the reentrant recompute) under
+    sdpa_kernel(MATH): the stash names the backend it cannot replay, and releases the layer's output at once."""
+    model = checkpointed(llama_model())
+    handle = install(model, 1)
+    ids = batch_ids()
+    loss = model(input_ids=ids, labels=ids).loss
+    with sdpa_kernel(SDPBackend.MATH), pytest.raises(RuntimeError,
+                                                     match="a fused SDPA backend it can replay: .*got MATH on cpu"):
+        loss.backward()
+    assert (handle.num_kept, handle.released_without_backward) == (0, 1)
+
+
+def test_the_checkpoint_function_slot_reads_and_deletes_as_an_attribute(install):
+    """The stash's slot for the layers' checkpoint function behaves as the plain attribute it stands for: absent, it
+    raises AttributeError on a read and on a delete."""
+    model = checkpointed(llama_model())
+    install(model, 1)
+    layer = model.model.layers[0]
+    del layer._gradient_checkpointing_func
+    assert not hasattr(layer, "_gradient_checkpointing_func")
+    with pytest.raises(AttributeError, match="_gradient_checkpointing_func"):
+        del layer._gradient_checkpointing_func
+
+
+def test_a_global_deleted_after_the_install_fails_as_in_the_original(install, monkeypatch):
+    """A name that Hugging Face's sdpa function reads from its module, deleted after the install: the stash's copy
+    fails as the original does, with the original's NameError."""
+    import transformers.integrations.sdpa_attention as sdpa_module
+
+    model = checkpointed(llama_model())
+    install(model, NUM_LAYERS)
+    ids = batch_ids()
+    model(input_ids=ids, labels=ids).loss.backward()
+    monkeypatch.delattr(sdpa_module, "use_gqa_in_sdpa")
+    with pytest.raises(NameError, match="use_gqa_in_sdpa"):
+        model(input_ids=ids, labels=ids)

@@ -869,3 +869,26 @@ def test_trained_keys_and_values_beside_a_frozen_query_projection(install, flash
     assert (handle.recomputes_served, handle.num_kept) == (3, 0)
     assert torch.equal(loss, expected_loss)
     assert_same_grads(grads, expected)
+
+
+def test_a_flash_call_under_a_torch_func_transform_is_refused(install, flash):
+    call = _call_of_a_stashed_layer(install)
+    query = torch.randn(1, 8, 4, 16, dtype=DTYPE)
+    with pytest.raises(RuntimeError,
+                       match=r"needs the training forwards of model\.layers\.2 to run under autograd "
+                       r"alone, got a torch\.func transform"):
+        torch.func.grad(lambda query: call.flash(query, query, query, None, None, None, None, 0.0, None, True,
+                                                 (-1, -1), 0.0, None, False, False, None).float().sum())(query)
+    assert call.kept == []
+
+
+def test_other_alibi_slopes_in_the_recompute_are_named():
+    """ALiBi slopes are compared by identity: the ones the forward passed, or the recompute differs by them."""
+    slopes = torch.ones(4)
+
+    def arguments(alibi_slopes):
+        return attention_stash._FlashArguments(0.0, 0.25, True, (-1, -1), 0.0, alibi_slopes, False, None, None, None,
+                                               None)
+
+    assert arguments(slopes).differing(arguments(slopes)) is None
+    assert arguments(slopes).differing(arguments(slopes.clone())) == "alibi_slopes"

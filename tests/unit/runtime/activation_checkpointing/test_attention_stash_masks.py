@@ -240,3 +240,19 @@ def test_a_mask_built_in_the_layer_is_compared_in_every_row(install, kind):
                        "inside the layer, got one with other values"):
         loss.backward()
     assert (handle.num_kept, handle.recomputes_served, handle.released_without_backward) == (0, 1, 1)
+
+
+def test_the_digest_weights_are_one_vector_per_device(monkeypatch):
+    """Masks of many lengths (ALST's variable sequence length gathers position_ids of each batch's length) digest
+    against one weight vector per device, as long as the most keys digested; extending it for a longer mask keeps its
+    prefix, so a forward's digest still equals its recompute's when a longer mask was digested in between."""
+    monkeypatch.setattr(attention_stash, "_DIGEST_WEIGHTS", {})
+    masks = [torch.rand(2, 1, keys, keys, generator=torch.Generator().manual_seed(keys)) > 0.5 for keys in (17, 300)]
+    before = attention_stash._mask_digest(masks[0])
+    attention_stash._mask_digest(masks[1])
+    after = attention_stash._mask_digest(masks[0])
+    assert all(torch.equal(ours, theirs) for ours, theirs in zip(before, after))
+    for keys in range(1, 64):
+        attention_stash._mask_digest(torch.ones(1, keys, dtype=torch.long))
+    weights = attention_stash._DIGEST_WEIGHTS
+    assert list(weights) == [torch.device("cpu")] and weights[torch.device("cpu")].shape == (300, )

@@ -219,4 +219,8 @@ def test_the_planner_sizes_the_layers_the_stash_serves(install):
     assert attention_stash_layers_for_budget(model, 3 * per_layer, 2, 32, device="cpu") == 2
     with pytest.raises(RuntimeError, match=r"got 'eager' on LlamaForCausalLM \(model\.layers\.0\)"):
         install_attention_stash(model, 3)
+    # Where the last attention layer is the one the stash would not serve, the budget planner names it.
+    model.model.layers[2].self_attn.config = attention.config
+    with pytest.raises(RuntimeError, match=r"got 'eager' on LlamaForCausalLM \(model\.layers\.2\)"):
+        attention_stash_layers_for_budget(model, 3 * per_layer, 2, 32, device="cpu")
     assert_stock_process()
