@@ -671,6 +671,7 @@ def test_a_padding_mask_changed_in_place_is_refused(install, flash, change, use_
     mask = torch.ones_like(inputs["input_ids"], dtype=torch.bool)
     mask[1, -PADDING:] = False
     handle = install(model, 1)
+    before = _tensors()
     loss = model(**inputs, attention_mask=mask).loss
     if change == "moved":
         mask[1].copy_(mask[1].roll(PADDING))
@@ -684,6 +685,8 @@ def test_a_padding_mask_changed_in_place_is_refused(install, flash, change, use_
     _assert_released_at_once(handle)
     del loss
     assert kept_outputs() == [] and live_checkpoint_calls() == []
+    # Nothing of the refused step is left alive: no kept output, no activation, no gradient.
+    assert _live_tensors(before, model) == []
 
 
 @MODES
