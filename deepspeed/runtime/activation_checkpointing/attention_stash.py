@@ -1866,17 +1866,18 @@ def attention_stash_layers_for_budget(model: torch.nn.Module,
     ranks, _ = _sequence_parallel_ranks(sequence_parallel_size, model, attention_layers)
     sizes = _layer_bytes(model, attention_layers, micro_batch_size, sequence_length, dtype or _model_dtype(model),
                          device, ranks)
-    return _fitting_layers(sizes, memory_budget, micro_batches_in_flight)
+    return len(_fitting_layers(sizes, memory_budget, micro_batches_in_flight))
 
 
 def _fitting_layers(sizes, memory_budget, micro_batches_in_flight):
+    """The (name, bytes) of the layers ``sizes`` yields, last first, as long as they fit ``memory_budget``."""
     if isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float)) or not memory_budget >= 0:
         raise ValueError(f"{_FEATURE} needs a memory_budget in bytes of 0 or more, got {memory_budget!r}.")
     _check_positive_int("micro_batches_in_flight", micro_batches_in_flight)
-    total, fitting = 0, 0
+    total, fitting = 0, []
     while True:
         try:
-            _, nbytes = next(sizes)
+            size = next(sizes)
         except StopIteration:
             return fitting
         except RuntimeError:
@@ -1884,10 +1885,10 @@ def _fitting_layers(sizes, memory_budget, micro_batches_in_flight):
             if fitting:
                 return fitting
             raise
-        total += nbytes * micro_batches_in_flight
+        total += size[1] * micro_batches_in_flight
         if total > memory_budget:
             return fitting
-        fitting += 1
+        fitting.append(size)
 
 
 # The attention implementations the stash serves, as Hugging Face names them.
@@ -2217,8 +2218,10 @@ def install_attention_stash(model: torch.nn.Module,
                       dtype=_model_dtype(model),
                       device=None,
                       ranks=ranks[0])
+    sizes = None
     if memory_budget is not None:
-        num_layers = _fitting_layers(planned(attention_layers), memory_budget, micro_batches_in_flight)
+        sizes = _fitting_layers(planned(attention_layers), memory_budget, micro_batches_in_flight)
+        num_layers = len(sizes)
         if num_layers == 0:
             raise ValueError(f"{_FEATURE} needs a memory_budget of at least one layer's "
                              f"{next(planned(attention_layers))[1]:,} bytes per micro-batch in flight x "
@@ -2229,7 +2232,8 @@ def install_attention_stash(model: torch.nn.Module,
                          f"attention layers (of {len(attention_layers) + len(others)} decoder layers), got "
                          f"{num_layers}.")
     chosen = attention_layers[-num_layers:]
-    sizes = None if micro_batch_size is None else list(planned(chosen))
+    if sizes is None and micro_batch_size is not None:
+        sizes = list(planned(chosen))
     # Each stashed layer's attention implementation, as its attention modules' config says.
     configs = [_attention_config(modules, model) for _, _, modules in chosen]
     implementations = [_layer_implementation(name, modules, model) for name, _, modules in chosen]
