@@ -168,14 +168,14 @@ def _attention_part(name):
     backends = set(attention_stash._BACKENDS.values())
     if name == "aten::scaled_dot_product_attention":
         return "F.sdpa (forward passes)"
-    if name in {f"aten::{ops.ops[0]}" for ops in backends}:
+    if name in {f"aten::{ops.op}" for ops in backends}:
         return "fused forward kernel"
-    if name in {ops.__name__ for ops in backends}:
+    if name == attention_stash._AttentionNode.__name__:
         return "stash's node"
-    if name in {f"aten::{ops.ops[1]}" for ops in backends}:
+    if name in {f"aten::{ops.op}_backward" for ops in backends}:
         return "fused backward kernel"
     node = name.partition("autograd::engine::evaluate_function: ")[2]
-    if node.startswith("ScaledDotProduct") or node in {f"{ops.__name__}Backward" for ops in backends}:
+    if node.startswith("ScaledDotProduct") or node == f"{attention_stash._AttentionNode.__name__}Backward":
         return "attention node in the backward"
     return None
 

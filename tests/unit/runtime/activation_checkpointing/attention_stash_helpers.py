@@ -10,6 +10,7 @@ import os
 import socket
 import subprocess
 import sys
+import types
 from collections import Counter
 
 import torch
@@ -221,6 +222,21 @@ def live_checkpoint_calls():
 
     gc.collect()
     return [obj for obj in gc.get_objects() if type(obj) is _CheckpointCall]
+
+
+def bare_call(function, implementation="sdpa"):
+    """A checkpoint call object of a stash on a stand-in layer, whose layer function is ``function``: each call of it
+    is a pass. Returns it and the stash's counters."""
+    from deepspeed.runtime.activation_checkpointing import attention_stash
+
+    counters = attention_stash._Counters()
+    layer = torch.nn.Linear(1, 1)
+    plan = types.SimpleNamespace(name="attention",
+                                 layer=layer,
+                                 config=types.SimpleNamespace(_attn_implementation=implementation),
+                                 implementation=implementation)
+    stash = attention_stash._LayerStash(plan, layer, counters)
+    return attention_stash._CheckpointCall(stash, function), counters
 
 
 def kept_outputs():

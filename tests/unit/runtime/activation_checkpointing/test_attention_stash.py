@@ -8,9 +8,9 @@ flash-attention kernel, an entry of the stash's own backend table, so they run t
 comparison is bitwise: the stash replays the same deterministic kernels on the same inputs as the normal recompute.
 """
 
+import dataclasses
 import gc
 import os
-import types
 import weakref
 import pytest
 import torch
@@ -22,9 +22,9 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from deepspeed.runtime.activation_checkpointing import attention_stash
 from deepspeed.runtime.activation_checkpointing.attention_stash import install_attention_stash
 
-from attention_stash_helpers import (CPU_BACKWARD, CPU_FORWARD, MODELS, NUM_LAYERS, CountOps, assert_same_grads,
-                                     assert_stock_process, batch_ids, checkpointed, counted_step, free_port,
-                                     kept_outputs, llama_model, mixtral_model, param_grads, qwen3_moe_model,
+from attention_stash_helpers import (bare_call, CPU_BACKWARD, CPU_FORWARD, MODELS, NUM_LAYERS, CountOps,
+                                     assert_same_grads, assert_stock_process, batch_ids, checkpointed, counted_step,
+                                     free_port, kept_outputs, llama_model, mixtral_model, param_grads, qwen3_moe_model,
                                      stashed_train_step, train_step, STOCK_SDPA)
 
 
@@ -292,10 +292,10 @@ def test_backend_choice_is_the_training_forwards_in_both_passes(install, monkeyp
 
 def test_backend_table_selects_by_device_and_choice():
     cases = {
-        ("cpu", SDPBackend.FLASH_ATTENTION): attention_stash._CpuFlashOps,
-        ("cuda", SDPBackend.CUDNN_ATTENTION): attention_stash._CudnnOps,
-        ("cuda", SDPBackend.FLASH_ATTENTION): attention_stash._FlashOps,
-        ("cuda", SDPBackend.EFFICIENT_ATTENTION): attention_stash._EfficientOps,
+        ("cpu", SDPBackend.FLASH_ATTENTION): attention_stash._CPU_FLASH,
+        ("cuda", SDPBackend.CUDNN_ATTENTION): attention_stash._CUDNN,
+        ("cuda", SDPBackend.FLASH_ATTENTION): attention_stash._FLASH,
+        ("cuda", SDPBackend.EFFICIENT_ATTENTION): attention_stash._EFFICIENT,
     }
     for (device, backend), ops in cases.items():
         assert attention_stash._ops_for(device, backend.value) is ops
@@ -310,7 +310,8 @@ def test_head_dim_padding_for_kernels_that_need_it(install, monkeypatch):
     """F.sdpa pads the head dimension to a multiple of 8 for CUDA flash attention; the stash pads, differentiably, and
     slices the output back. Here on the CPU kernel, which F.sdpa does not pad, so the stash's padded kernel runs other
     summation blocks than the normal recompute: equal to 1e-5 relative, not bitwise."""
-    monkeypatch.setattr(attention_stash._CpuFlashOps, "head_dim_multiple", 8, raising=False)
+    monkeypatch.setitem(attention_stash._BACKENDS, ("cpu", SDPBackend.FLASH_ATTENTION.value),
+                        dataclasses.replace(attention_stash._CPU_FLASH, head_dim_multiple=8))
     model = checkpointed(qwen3_moe_model(head_dim=12))
     ids = batch_ids()
     expected_loss, expected = train_step(model, ids)
@@ -390,14 +391,11 @@ def test_rejects_other_sdpa_backend_choice(install):
 
 @pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non_reentrant"])
 def test_rejects_backend_change_between_passes(install, monkeypatch, use_reentrant):
-
-    class OtherCpuOps(attention_stash._CpuFlashOps):
-        name = "another CPU kernel"
-
+    other_cpu_ops = dataclasses.replace(attention_stash._CPU_FLASH, name="another CPU kernel")
     model = checkpointed(mixtral_model(), use_reentrant=use_reentrant)
     install(model, 1)
     loss = model(input_ids=batch_ids(), labels=batch_ids()).loss
-    monkeypatch.setitem(attention_stash._BACKENDS, ("cpu", SDPBackend.FLASH_ATTENTION.value), OtherCpuOps)
+    monkeypatch.setitem(attention_stash._BACKENDS, ("cpu", SDPBackend.FLASH_ATTENTION.value), other_cpu_ops)
     with pytest.raises(RuntimeError, match="got CPU flash attention in the forward and another CPU kernel in the"):
         loss.backward()
 
@@ -439,10 +437,11 @@ def test_rejects_recompute_without_kept_output(install):
 
 
 @pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non_reentrant"])
-def test_a_forward_before_a_reinstall_recomputes_stock(install, use_reentrant):
+def test_a_forward_before_a_reinstall_is_recomputed_in_its_own_call(install, use_reentrant):
     """The forward ran under a stash removed before its backward, with another installed on the layer meanwhile: its
-    recompute runs in the removed stash's checkpoint call, stock, as the removal promises, and the new stash's counts
-    stay at zero."""
+    recompute runs in the removed stash's checkpoint call, and the new stash's counts stay at zero. Under reentrant
+    checkpointing that recompute is stock, as the removal promises; under non-reentrant checkpointing the forward's
+    graph holds the removed stash's node, whose saves only its own recompute gives, and it serves that recompute."""
     model = checkpointed(mixtral_model(), use_reentrant)
     ids = batch_ids()
     expected_loss, expected = train_step(model, ids)
@@ -454,7 +453,8 @@ def test_a_forward_before_a_reinstall_recomputes_stock(install, use_reentrant):
     loss.backward()
     assert torch.equal(loss.detach(), expected_loss)
     assert_same_grads(param_grads(model), expected)
-    assert (first.num_kept, first.recomputes_served, second.num_kept, second.recomputes_served) == (0, 0, 0, 0)
+    assert (first.num_kept, second.num_kept, second.recomputes_served) == (0, 0, 0)
+    assert first.recomputes_served == (0 if use_reentrant else NUM_LAYERS)
     assert not kept_outputs()
 
 
@@ -621,8 +621,8 @@ def test_rejects_missing_entry_points(monkeypatch, missing):
         monkeypatch.delattr(f"{owner}.{attribute}")
         name = f"torch.{missing}"
     elif missing == "aten_op":
-        monkeypatch.setattr(attention_stash._CudnnOps, "ops",
-                            ("_scaled_dot_product_cudnn_attention_v9", "_scaled_dot_product_cudnn_attention_backward"))
+        monkeypatch.setitem(attention_stash._BACKENDS, ("cuda", SDPBackend.CUDNN_ATTENTION.value),
+                            dataclasses.replace(attention_stash._CUDNN, op="_scaled_dot_product_cudnn_attention_v9"))
         name = "torch._scaled_dot_product_cudnn_attention_v9"
     elif missing == "checkpointing_layer":
         monkeypatch.delattr(transformers.modeling_layers, "GradientCheckpointingLayer")
@@ -659,11 +659,7 @@ def _left_padding_mask(batch, sequence, device):
 
 def _bare_call():
     """A checkpoint call object whose layer function is one attention call: each call of it is a pass."""
-    counters = attention_stash._Counters()
-    layer = torch.nn.Linear(1, 1)
-    stash = attention_stash._LayerStash("attention", layer, layer, types.SimpleNamespace(_attn_implementation="sdpa"),
-                                        counters)
-    return attention_stash._CheckpointCall(stash, attention_stash._attention_of_current_call), counters
+    return bare_call(attention_stash._sdpa_of_current_call)
 
 
 def _replay(query, key, value, mask, gqa, leaves):
@@ -882,10 +878,11 @@ def test_autoep_engine_step_with_and_without_the_stash(install):
 
 
 @pytest.mark.parametrize("masked", [False, True], ids=["causal", "padded"])
-def test_a_recompute_node_with_the_kernel_s_save_order_differentiates_as_autograd(masked):
-    """Under non-reentrant checkpointing the first pass runs the kernel with grad and the recompute's node saves in
-    that kernel node's order; its own backward (which runs only where the recompute's graph is differentiated itself)
-    reads them back in that order and gives autograd's gradients, bitwise on CPU."""
+def test_the_stash_node_differentiates_as_autograd_in_both_passes(masked):
+    """Under non-reentrant checkpointing the first pass runs with grad and applies the stash's node, which runs the
+    kernel; the recompute applies the same node, which returns the kept output. Each node's backward, the first
+    pass's with its own saves (a checkpoint fills them with the recompute's) and the recompute's, gives autograd's
+    gradients for F.sdpa, bitwise on CPU."""
     torch.manual_seed(0)
     query, key, value = (torch.randn(2, 4, 16, 8) for _ in range(3))
     mask = _left_padding_mask(2, 16, "cpu") if masked else None
@@ -898,16 +895,19 @@ def test_a_recompute_node_with_the_kernel_s_save_order_differentiates_as_autogra
     expected_inputs = leaves()
     torch.nn.functional.scaled_dot_product_attention(*expected_inputs, **arguments).backward(grad_out)
     call, counters = _bare_call()
-    # Saved-tensor hooks in force, as a non-reentrant checkpoint's first pass has them: the order is learned there.
-    with torch.autograd.graph.saved_tensors_hooks(lambda tensor: tensor, lambda tensor: tensor):
-        first = call(*leaves(), **arguments)
-    assert call.kept[0].order is not None
+    first_inputs = leaves()
+    with CountOps() as first_pass:
+        first = call(*first_inputs, **arguments)
+    assert type(first.grad_fn).__name__ == "_AttentionNodeBackward" and first_pass.calls[CPU_FORWARD] == 1
     inputs = leaves()
-    replayed = call(*inputs, **arguments)
+    with CountOps() as recompute:
+        replayed = call(*inputs, **arguments)
+    assert type(replayed.grad_fn) is type(first.grad_fn) and recompute.calls[CPU_FORWARD] == 0
     assert torch.equal(first.detach(), replayed) and counters.recomputes_served == 1
     replayed.backward(grad_out)
-    for got, expected in zip(inputs, expected_inputs):
-        assert torch.equal(got.grad, expected.grad)
+    first.backward(grad_out)
+    for got, got_first, expected in zip(inputs, first_inputs, expected_inputs):
+        assert torch.equal(got.grad, expected.grad) and torch.equal(got_first.grad, expected.grad)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -926,7 +926,7 @@ def test_a_recompute_node_that_raises_counts_its_entry_released_once(monkeypatch
     def failing(*args):
         raise RuntimeError("the node failed")
 
-    monkeypatch.setattr(attention_stash._CpuFlashOps, "replay", failing)
+    monkeypatch.setattr(attention_stash, "_apply_node", failing)
     with pytest.raises(RuntimeError, match="the node failed"):
         call(*(tensor.clone().requires_grad_() for tensor in (query, key, value)), is_causal=True)
     assert (counters.kept, counters.kept_bytes, counters.recomputes_served,

@@ -284,14 +284,15 @@ def test_host_benchmark_runs_and_counts_what_it_served(capsys):
             assert part in section
         assert f"host cost of the stash, {mode}:" in section
     assert "non-reentrant against reentrant: " in out and "times target" in out
-    # The profiles: plain runs F.sdpa's kernel in both passes; the stash runs it once and replays it in its node, in
-    # either mode. Each row: a part, then per model "<calls> x, <us>" or "-".
+    # The profiles, reentrant then non-reentrant: plain runs F.sdpa's kernel in both passes; the stash runs it once and
+    # applies its node in the recompute (reentrant), or in both passes (non-reentrant, whose first pass records its
+    # graph). Each row: a part, then per model "<calls> x, <us>" or "-".
     profiles = out.split("\nattention's own work per layer and step")[1:]
     assert len(profiles) == 2
-    for profile in profiles:
+    for profile, nodes in zip(profiles, ("1", "2")):
         rows = {line[:34].strip(): line[34:].split() for line in profile.splitlines()[3:8]}
         assert rows["fused forward kernel"][0:4:3] == ["2", "1"]
-        assert rows["stash's node"][:2] == ["-", "1"]
+        assert rows["stash's node"][:2] == ["-", nodes]
         assert rows["attention node in the backward"][0:4:3] == ["1", "1"]
 
 

@@ -86,14 +86,14 @@ def _same(actual, expected):
     return actual == expected
 
 
-BACKENDS = sorted({ops.__name__: ops for ops in attention_stash._BACKENDS.values()}.items())
+BACKENDS = sorted({ops.name: ops for ops in attention_stash._BACKENDS.values()}.items())
 
 
 @pytest.mark.parametrize("ops", [ops for _, ops in BACKENDS], ids=[name for name, _ in BACKENDS])
 @pytest.mark.parametrize("needs_grad", [(True, True, True), (True, False, True), (False, True, False)],
                          ids=["qkv", "qv", "k"])
 def test_backward_call_follows_pytorch_derivative(ops, needs_grad):
-    forward_op, backward_op = ops.ops
+    forward_op, backward_op = ops.op, f"{ops.op}_backward"
     arguments, outputs, formula_op, expressions = _derivative(forward_op)
     assert formula_op == backward_op
     query, key, value, grad = (torch.randn(1, 2, 4, 8) for _ in range(4))
@@ -101,15 +101,16 @@ def test_backward_call_follows_pytorch_derivative(ops, needs_grad):
     mask = torch.randn(1, 1, 4, 4) if takes_mask else None
     kernels = _Kernels()
     with kernels:
-        out, tensors, scalars = ops.kernel(query, key, value, mask, True, 0.25)
-        # The node's context as its forward leaves it: the saved tensors, the scalars and the call's arguments.
+        call_arguments = attention_stash._SdpaArguments(True, 0.25)
+        out, tensors, scalars = ops.kernel(query, key, value, mask, call_arguments)
+        # The stash node's context as its forward leaves it: the saved tensors, the ops, the scalars and the call's
+        # arguments; its backward calls the ops' backward.
         context = types.SimpleNamespace(saved_tensors=(query, key, value, mask, out, *tensors),
-                                        order=None,
+                                        ops=ops,
                                         scalars=scalars,
-                                        is_causal=True,
-                                        scale=0.25,
-                                        needs_input_grad=(*needs_grad, False, False, False, False))
-        grads = ops.backward(context, grad)
+                                        arguments=call_arguments,
+                                        needs_input_grad=(*needs_grad, False, False))
+        grads = attention_stash._AttentionNode.backward(context, grad)
     (forward_name, forward), (backward_name, backward) = kernels.calls
     assert (forward_name, backward_name) == (forward_op, backward_op)
     assert list(forward) == arguments
@@ -128,11 +129,11 @@ def test_backward_call_follows_pytorch_derivative(ops, needs_grad):
     assert len(expressions) == len(backward)
     for position, (expression, (name, actual)) in enumerate(zip(expressions, backward.items())):
         assert _same(actual, values[expression]), (position, name, expression)
-    assert len(grads) == 7 and grads[3:] == (None, ) * 4
+    assert len(grads) == 5 and grads[3:] == (None, ) * 2
     assert all(grad is returned for grad, returned in zip(grads[:3], kernels.returned[1]))
 
 
 def test_every_backend_has_a_derivative_and_a_served_device():
     assert {device for device, _ in attention_stash._BACKENDS} == {"cpu", "cuda"}
     for _, ops in BACKENDS:
-        assert _derivative(ops.ops[0])[2] == ops.ops[1]
+        assert _derivative(ops.op)[2] == f"{ops.op}_backward"

@@ -11,6 +11,7 @@ graph, torch.compile, a checkpoint around the whole model. CI runs them on both 
 """
 
 import copy
+import dataclasses
 import gc
 import io
 import pickle
@@ -169,13 +170,13 @@ def test_install_and_remove_from_many_threads(monkeypatch):
     """Installs and removes racing on one process-wide sdpa entry and layer class: every thread trains its own model
     with its own stash, exactly, and transformers' own entry and class come back at the end. A pause inside the
     first install's hold widens the window in which an unguarded second install would save the wrapper as stock."""
-    copy_of_sdpa = attention_stash._sdpa_copy
+    sdpa = attention_stash._IMPLEMENTATIONS["sdpa"]
 
     def slow_copy(function, where):
         time.sleep(0.05)
-        return copy_of_sdpa(function, where)
+        return sdpa.copy(function, where)
 
-    monkeypatch.setitem(attention_stash._COPIES, "sdpa", slow_copy)
+    monkeypatch.setitem(attention_stash._IMPLEMENTATIONS, "sdpa", dataclasses.replace(sdpa, copy=slow_copy))
     threads, rounds = 6, 3
     ids = batch_ids()
     expected_loss, expected = train_step(checkpointed(mixtral_model()), ids)
@@ -330,9 +331,11 @@ def test_every_n_layers_with_an_even_layer_count(install, use_reentrant):
 
 @pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non_reentrant"])
 def test_remove_between_forward_and_backward(install, use_reentrant):
-    """The forward's checkpoint calls outlive the removal; their recomputes run stock attention, and release what their
-    first passes kept as that backward runs, though the loss (and so the graph) is still held. Under non-reentrant
-    checkpointing the first pass's graph holds the kernel's own node, whose saved tensors a stock recompute fills."""
+    """The forward's checkpoint calls outlive the removal, and new forwards run stock at once. Under reentrant
+    checkpointing the recomputes run stock attention and release what their first passes kept as that backward runs,
+    though the loss (and so the graph) is still held. Under non-reentrant checkpointing the first pass's graph holds
+    the stash's node, whose saves only the stash's recompute gives: the stash serves those recomputes, and Hugging
+    Face's objects come back when the last of them is done."""
     model = checkpointed(mixtral_model(), use_reentrant=use_reentrant)
     ids = batch_ids()
     expected_loss, expected = train_step(model, ids)
@@ -340,13 +343,18 @@ def test_remove_between_forward_and_backward(install, use_reentrant):
     model.zero_grad(set_to_none=True)
     loss = model(input_ids=ids, labels=ids).loss
     handle.remove()
-    assert_stock_process()
+    if use_reentrant:
+        assert_stock_process()
+    else:
+        assert not attention_stash._STASHES and attention_stash._held is not None
     assert handle.num_kept == NUM_LAYERS
     with CountOps() as counted:
         loss.backward()
-    assert counted.calls[CPU_FORWARD] == NUM_LAYERS
-    assert (handle.num_kept, handle.kept_bytes, handle.recomputes_served) == (0, 0, 0)
-    assert handle.released_without_backward == NUM_LAYERS
+    assert_stock_process()
+    assert counted.calls[CPU_FORWARD] == (NUM_LAYERS if use_reentrant else 0)
+    assert (handle.num_kept, handle.kept_bytes) == (0, 0)
+    served = 0 if use_reentrant else NUM_LAYERS
+    assert (handle.recomputes_served, handle.released_without_backward) == (served, NUM_LAYERS - served)
     assert_same_grads(param_grads(model), expected)
     del loss
     assert not live_checkpoint_calls()

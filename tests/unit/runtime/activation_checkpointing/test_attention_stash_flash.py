@@ -358,7 +358,7 @@ def test_flash_arguments_the_replay_cannot_reproduce_are_refused(install, flash,
                      return_attn_probs=False,
                      block_table=None)
     with pytest.raises(RuntimeError, match=message):
-        call.flash(query, query, query, None, None, None, None, **{**arguments, **argument()})
+        call.flash(query, query, query, attention_stash._FlashArguments(**{**arguments, **argument()}))
     assert call.kept == []
 
 
@@ -369,8 +369,7 @@ def test_alibi_slopes_that_need_no_grad_are_served(install, flash):
     slopes = torch.ones(4)
     with pytest.raises(NotImplementedError, match="has no ALiBi slopes"):
         # The CPU stand-in kernels have no ALiBi: the stash got as far as the kernel call.
-        call.flash(query, query, query, None, None, None, None, 0.0, None, True, (-1, -1), 0.0, slopes, False, False,
-                   None)
+        call.flash(query, query, query, attention_stash._FlashArguments(causal=True, alibi_slopes=slopes))
 
 
 def test_other_flash_functions_are_refused(install, flash, monkeypatch):
@@ -419,33 +418,6 @@ def test_a_flash_attn_without_the_entry_points_the_stash_calls_is_refused(flash,
     assert attention_stash._held is None
 
 
-@pytest.mark.parametrize("fault", ["count", "not_a_slice"])
-def test_a_flash_attn_node_that_saves_otherwise_is_refused(install, flash, monkeypatch, fault):
-    """Under non-reentrant checkpointing the stash reads the padded output, log-sum-exp and rng_state from
-    flash-attn's node's saves, which it checks: their count, and that the output is a slice of the fourth."""
-    model = flash_model("llama", use_reentrant=False)
-    install(model, 1)
-    if fault == "count":
-        monkeypatch.setattr(attention_stash._FlashAttnOps, "saves", 7)
-        expected, got = 7, "got 6 saved tensors"
-    else:
-        function = FLASH_ATTN.flash_attn_func
-
-        def copying_flash_attn_func(*args, **kwargs):
-            return function(*args, **kwargs).clone()
-
-        # Hugging Face imports it from the package, the stash from its interface module: both are replaced.
-        monkeypatch.setattr(FLASH_ATTN, "flash_attn_func", copying_flash_attn_func)
-        monkeypatch.setattr(sys.modules["flash_attn"], "flash_attn_func", copying_flash_attn_func)
-        expected, got = 6, "got an output that is not a slice of the fourth saved tensor"
-    with pytest.raises(RuntimeError,
-                       match=r"needs the autograd node of flash-attn 2 \(flash_attn_func\) to save "
-                       f"{expected} tensors and "
-                       f"return a slice of the fourth, the padded output, as flash-attn 2\\.8 does, {got} in "
-                       r"flash_attn 2\.8\.3\. Use reentrant checkpointing"):
-        model(**make_batch("plain")[0])
-
-
 def test_a_flash_entry_the_stash_cannot_serve_leaves_nothing_installed(flash, monkeypatch):
     """A "flash_attention_2" entry that is not Hugging Face's function, in a model whose vision layers run sdpa and
     whose text layers flash-attn: the install takes its hold on the sdpa entry first, and gives it back when the flash
@@ -457,7 +429,7 @@ def test_a_flash_entry_the_stash_cannot_serve_leaves_nothing_installed(flash, mo
 
     monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._local_mapping, "flash_attention_2", other_flash_attention)
     model = _llava_model(use_reentrant=True)
-    layers = len(attention_stash._model_attention_layers(model)[0])
+    layers = len(attention_stash._model_plans(model, *attention_stash._entry_points())[0])
     with pytest.raises(RuntimeError,
                        match=r"needs Hugging Face's flash_attention_2 attention function, which calls flash-attn "
                        r"through transformers\.modeling_flash_attention_utils\._flash_attention_forward, as "
@@ -581,16 +553,15 @@ def test_a_flash_step_on_meta(install, flash, name, packed, use_reentrant):
     assert _meta_live_tensors(model) == [] and live_checkpoint_calls() == []
 
 
-def test_the_meta_saves_are_flash_attns(flash):
-    """What the stash reads from flash-attn's node under non-reentrant checkpointing (the padded output fourth, the
-    log-sum-exp fifth, rng_state last) is what flash-attn 2.8's fake kernels save, in layout and dtype."""
-    query = torch.empty(2, 72, 4, 36, device="meta", dtype=DTYPE, requires_grad=True)
-    key = torch.empty(2, 72, 2, 36, device="meta", dtype=DTYPE, requires_grad=True)
-    ops = attention_stash._FlashAttnOps
-    arguments = attention_stash._FlashArguments(0.0, 36**-0.5, True, (-1, -1), 0.0, None, False, None, None, None,
-                                                None)
-    out, output, lse, rng_state = attention_stash._flash_with_grad(ops, query, key, key, arguments)
-    assert out.shape == query.shape and output.shape == (2, 72, 4, 40)
+def test_the_meta_layout_is_flash_attns(flash):
+    """What the stash's node keeps of a flash-attn call (the padded output, the log-sum-exp, rng_state) is what
+    flash-attn 2.8's fake kernels return, in layout and dtype, and what the planner counts."""
+    query = torch.empty(2, 72, 4, 40, device="meta", dtype=DTYPE)
+    key = torch.empty(2, 72, 2, 40, device="meta", dtype=DTYPE)
+    ops = attention_stash._FLASH_ATTN
+    output, (lse, rng_state), scalars = ops.kernel(query, key, key, None,
+                                                   attention_stash._FlashArguments(0.0, 36**-0.5))
+    assert output.shape == (2, 72, 4, 40) and scalars == ()
     assert (lse.shape, lse.dtype, rng_state.shape, rng_state.dtype) == ((2, 4, 72), torch.float32, (2, ), torch.int64)
     assert output.nbytes + lse.nbytes == ops.kept_bytes(2, 4, 72, 36, DTYPE)
 
@@ -634,7 +605,7 @@ def test_each_layer_is_served_with_its_own_config_s_implementation(install, flas
     pixels = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(2)).to(DTYPE)
     inputs = dict(input_ids=ids, pixel_values=pixels, labels=ids.masked_fill(ids == 150, -100))
     expected_loss, expected, stock_calls = counted_step(model, inputs)
-    layers = len(attention_stash._model_attention_layers(model)[0])
+    layers = len(attention_stash._model_plans(model, *attention_stash._entry_points())[0])
     with logged_messages() as messages:
         handle = install(model, layers)
     implementations = Counter((stash.name.split(".")[1], stash.implementation) for stash in handle._stashes)
@@ -880,8 +851,8 @@ def test_a_flash_call_under_a_torch_func_transform_is_refused(install, flash):
     with pytest.raises(RuntimeError,
                        match=r"needs the training forwards of model\.layers\.2 to run under autograd "
                        r"alone, got a torch\.func transform"):
-        torch.func.grad(lambda query: call.flash(query, query, query, None, None, None, None, 0.0, None, True,
-                                                 (-1, -1), 0.0, None, False, False, None).float().sum())(query)
+        torch.func.grad(lambda query: call.flash(query, query, query, attention_stash._FlashArguments(causal=True)).
+                        float().sum())(query)
     assert call.kept == []
 
 

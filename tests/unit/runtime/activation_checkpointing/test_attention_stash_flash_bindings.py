@@ -12,16 +12,19 @@ arguments that share a type get distinct values (cu_seqlens_q and cu_seqlens_k, 
 sizes), so that a swap of two of them fails here, as the planted swap below shows.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
 from deepspeed.runtime.activation_checkpointing import attention_stash
 
 from attention_stash_flash import flash_attn_or_skip
+from attention_stash_helpers import bare_call
 
 FLASH_ATTN = flash_attn_or_skip()
 # What the stash's install of a flash_attention_2 model does: import and check flash-attn's interface.
-assert attention_stash._flash_attn_interface() is FLASH_ATTN
+assert attention_stash._import_flash_attn() is FLASH_ATTN
 
 KERNELS = ("_wrapped_flash_attn_forward", "_wrapped_flash_attn_varlen_forward", "_wrapped_flash_attn_backward",
            "_wrapped_flash_attn_varlen_backward")
@@ -95,16 +98,18 @@ def _theirs(recorder, varlen, query, key, value, arguments, grad):
 
 
 def _ours(recorder, ops, query, key, value, arguments, grad):
-    """The stash: its first pass's kernel call (reentrant checkpointing's, which runs no node), then the recompute's
-    node on what that kept, forward and backward."""
+    """The stash's attention call in a bare checkpoint call: its first pass without grad (reentrant checkpointing's,
+    which runs the kernel alone), then its recompute, whose node returns what that kept, forward and backward."""
     start = len(recorder.calls)
-    padded = attention_stash._pad_head_dim((query.detach(), key.detach(), value.detach()))
-    output, lse, rng_state = ops.kernel(*padded, arguments)
-    kept = attention_stash._Kept(ops, output, (lse, rng_state), arguments, 0, output._version, None)
+    call, counters = bare_call(lambda *inputs: attention_stash._state.call.attend(ops, *inputs, None, arguments),
+                               "flash_attention_2")
+    with torch.no_grad():
+        call(query.detach(), key.detach(), value.detach())
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda tensor: saved.append(tensor) or tensor,
                                                   lambda tensor: tensor):
-        out = ops.replay(query, key, value, kept, arguments)
+        out = call(query, key, value)
+    assert counters.recomputes_served == 1
     grads = torch.autograd.grad(out, (query, key, value), grad)
     return out, saved, grads, recorder.calls[start:]
 
@@ -131,13 +136,13 @@ def _assert_same_calls(ours, theirs):
 
 
 @pytest.mark.parametrize("head_dim", [16, 36], ids=["head_dim_16", "head_dim_36_padded"])
-@pytest.mark.parametrize("ops", [attention_stash._FlashAttnOps, attention_stash._FlashAttnVarlenOps],
+@pytest.mark.parametrize("ops", [attention_stash._FLASH_ATTN, attention_stash._FLASH_ATTN_VARLEN],
                          ids=["flash_attn_func", "flash_attn_varlen_func"])
 def test_kernel_calls_and_saves_follow_flash_attns_functions(monkeypatch, ops, head_dim):
     """The stash's forward and backward kernel calls are flash-attn's, argument for argument; its node saves what
     flash-attn's function saves, in its order (under non-reentrant checkpointing they fill that function's node);
     and its output and gradients are flash-attn's."""
-    varlen = ops is attention_stash._FlashAttnVarlenOps
+    varlen = ops is attention_stash._FLASH_ATTN_VARLEN
     recorder = Recorder(monkeypatch)
     arguments = _arguments(varlen, head_dim)
     query, key, value = _inputs(varlen, head_dim)
@@ -146,7 +151,8 @@ def test_kernel_calls_and_saves_follow_flash_attns_functions(monkeypatch, ops, h
     out, saved, grads, calls = _ours(recorder, ops, query, key, value, arguments, grad)
 
     _assert_same_calls(calls, their_calls)
-    assert len(saved) == len(their_saved) == ops.saves
+    # (query, key, value, padded output, log-sum-exp, [cu_seqlens_q, cu_seqlens_k,] rng_state)
+    assert len(saved) == len(their_saved) == (8 if varlen else 6)
     assert all(_same(mine, their) for mine, their in zip(saved, their_saved))
     assert _same(out, their_out)
     assert all(_same(mine, their) for mine, their in zip(grads, their_grads))
@@ -158,23 +164,17 @@ def test_a_planted_swap_is_caught(monkeypatch):
     """A backward that passes the two window sizes swapped (both ints, the same for a symmetric window) fails the
     comparison, as would any two arguments of a type swapped."""
     recorder = Recorder(monkeypatch)
-    ops = attention_stash._FlashAttnVarlenOps
+    ops = attention_stash._FLASH_ATTN_VARLEN
     arguments = _arguments(True, 16)
     query, key, value = _inputs(True, 16)
     grad = torch.randn(query.shape)
     *_, their_calls = _theirs(recorder, True, query, key, value, arguments, grad)
-    backward = ops.backward
 
-    def swapped_backward(ctx, grad_out):
-        ctx.arguments = attention_stash._FlashArguments(ctx.arguments.dropout_p, ctx.arguments.softmax_scale,
-                                                        ctx.arguments.causal, ctx.arguments.window_size[::-1],
-                                                        ctx.arguments.softcap, ctx.arguments.alibi_slopes,
-                                                        ctx.arguments.deterministic, ctx.arguments.cu_seqlens_q,
-                                                        ctx.arguments.cu_seqlens_k, ctx.arguments.max_seqlen_q,
-                                                        ctx.arguments.max_seqlen_k)
-        return backward(ctx, grad_out)
+    def swapped_backward(grad, q, k, v, mask, out, tensors, scalars, a, needs_grad):
+        swapped = dataclasses.replace(a, window_size=a.window_size[::-1])
+        return ops.backward(grad, q, k, v, mask, out, tensors, scalars, swapped, needs_grad)
 
-    monkeypatch.setattr(ops, "backward", staticmethod(swapped_backward))
-    *_, calls = _ours(recorder, ops, query, key, value, arguments, grad)
+    *_, calls = _ours(recorder, dataclasses.replace(ops, backward=swapped_backward), query, key, value, arguments,
+                      grad)
     with pytest.raises(AssertionError, match="_wrapped_flash_attn_varlen_backward', 16"):
         _assert_same_calls(calls, their_calls)

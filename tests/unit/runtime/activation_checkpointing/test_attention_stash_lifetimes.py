@@ -3,10 +3,9 @@
 # DeepSpeed Team
 """Nothing of the stash outlives its step, and a non-reentrant step runs no attention forward beyond the first pass.
 
-Under non-reentrant checkpointing the recompute's node saves what the first pass's own kernel node saved, in that
-node's order; the stash learns the order from the first pass's own kernel call, once per backend and mask presence in
-a process. Each test here starts from a fresh process's state (no order learned), so that learning runs in it.
-Live tensors are found as a user would look for a leak: every tensor object the garbage collector knows of, after a
+Under non-reentrant checkpointing the first pass applies the stash's own node, which runs the kernel, and the
+recompute's node, which returns the kept output, saves the same tensors in the same order by construction. Live
+tensors are found as a user would look for a leak: every tensor object the garbage collector knows of, after a
 collection, whose shape has the batch's sequence length (a length no parameter has).
 """
 
@@ -19,18 +18,12 @@ from transformers.models.llama.modeling_llama import LlamaAttention, apply_rotar
 
 from deepspeed.runtime.activation_checkpointing import attention_stash
 
-from attention_stash_helpers import (CPU_FORWARD, NUM_LAYERS, CountOps, assert_same_grads, assert_served_as_plain,
-                                     batch_ids, checkpointed, counted_step, live_checkpoint_calls, llama_model,
-                                     param_grads, train_step)
+from attention_stash_helpers import (CPU_BACKWARD, CPU_FORWARD, NUM_LAYERS, CountOps, assert_same_grads,
+                                     assert_served_as_plain, batch_ids, checkpointed, counted_step,
+                                     live_checkpoint_calls, llama_model, param_grads, train_step)
 
 # No dimension of the tiny models' parameters has this size.
 SEQUENCE = 97
-
-
-@pytest.fixture(autouse=True)
-def fresh_process(monkeypatch):
-    """The stash's state in a process that has not run a non-reentrant stashed step yet."""
-    monkeypatch.setattr(attention_stash, "_NATIVE_SAVES", {})
 
 
 def _live_tensors():
@@ -68,7 +61,7 @@ def test_nothing_outlives_a_step(install, use_reentrant, masked):
     del loss
     assert (handle.recomputes_served, handle.num_kept, handle.kept_bytes) == (2, 0, 0)
     assert _live_tensors() == []
-    # A second step, with the order known, leaves nothing either.
+    # A second step leaves nothing either.
     model(**inputs).loss.backward()
     assert handle.recomputes_served == 4 and _live_tensors() == []
     handle.remove()
@@ -79,8 +72,7 @@ def test_nothing_outlives_a_step(install, use_reentrant, masked):
 @pytest.mark.parametrize("masked", [False, True], ids=["unmasked", "padded"])
 def test_first_non_reentrant_step_runs_each_attention_forward_once(install, masked):
     """The first non-reentrant step of a process: one attention forward kernel per layer, in the first pass, none in
-    the served recompute; the order learned places the output, the log-sum-exp, the query, key and value (and the
-    mask) that the CPU kernel's node saves, each once."""
+    the served recompute; the first pass's graph holds the stash's node of each layer, which runs the backward."""
     model = checkpointed(llama_model(), use_reentrant=False)
     inputs = _inputs(masked)
     expected_loss, expected = train_step(model, inputs["input_ids"]) if not masked else (None, None)
@@ -88,22 +80,32 @@ def test_first_non_reentrant_step_runs_each_attention_forward_once(install, mask
     model.zero_grad(set_to_none=True)
     with CountOps() as forward:
         loss = model(**inputs).loss
+    assert _graph_nodes(loss.grad_fn).count("_AttentionNodeBackward") == NUM_LAYERS
     with CountOps() as backward:
         loss.backward()
     assert (forward.calls[CPU_FORWARD], backward.calls[CPU_FORWARD]) == (NUM_LAYERS, 0)
-    assert handle.recomputes_served == NUM_LAYERS
-    order = attention_stash._NATIVE_SAVES[attention_stash._CpuFlashOps, not masked]
-    # Positions in (query, key, value, mask, output, log-sum-exp).
-    assert sorted(order) == ([0, 1, 2, 3, 4, 5] if masked else [0, 1, 2, 4, 5])
+    assert backward.calls[CPU_BACKWARD] == NUM_LAYERS and handle.recomputes_served == NUM_LAYERS
     if not masked:
         assert torch.equal(loss.detach(), expected_loss)
         assert_same_grads(param_grads(model), expected)
 
 
-def test_a_first_pass_whose_attention_needs_no_grad_learns_nothing(install):
-    """Attention inputs that require no grad (only the output head trained): the kernel has no node, so there is no
-    order to learn from it, and no backward reaches the layers; a later step with every parameter trained learns the
-    order and is served bitwise."""
+def _graph_nodes(node):
+    """The names of the autograd nodes reachable from ``node``, each node once."""
+    seen, names, pending = set(), [], [node]
+    while pending:
+        node = pending.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.append(type(node).__name__)
+        pending += [inner for inner, _ in node.next_functions]
+    return names
+
+
+def test_a_first_pass_whose_attention_needs_no_grad_records_no_node(install):
+    """Attention inputs that require no grad (only the output head trained): the stash's node records nothing, and no
+    backward reaches the layers; a later step with every parameter trained is served bitwise."""
     model = checkpointed(llama_model(), use_reentrant=False)
     ids = batch_ids()
     expected_loss, expected, _ = counted_step(model, input_ids=ids, labels=ids)
@@ -112,18 +114,16 @@ def test_a_first_pass_whose_attention_needs_no_grad_learns_nothing(install):
     model.disable_input_require_grads()
     model(input_ids=ids, labels=ids).loss.backward()
     assert (handle.recomputes_served, handle.released_without_backward) == (0, NUM_LAYERS)
-    assert attention_stash._NATIVE_SAVES == {}
     model.requires_grad_(True).enable_input_require_grads()
     loss, grads, calls = counted_step(model, input_ids=ids, labels=ids)
     assert calls[CPU_FORWARD] == 0 and handle.recomputes_served == NUM_LAYERS
-    assert list(attention_stash._NATIVE_SAVES) == [(attention_stash._CpuFlashOps, True)]
     assert torch.equal(loss, expected_loss)
     assert_same_grads(grads, expected)
 
 
 def test_a_first_pass_with_grad_and_no_saved_tensor_hooks(install):
     """A checkpoint function that runs the layer with grad and never recomputes it (no saved-tensor hooks): the
-    kernel's node keeps its own saves, nothing is learned, and what the first pass kept goes with the call."""
+    stash's node keeps its own saves and runs the backward, and what the first pass kept goes with the call."""
     model = checkpointed(llama_model(), use_reentrant=False)
     ids = batch_ids()
     expected_loss, expected, _ = counted_step(model, input_ids=ids, labels=ids)
@@ -132,7 +132,6 @@ def test_a_first_pass_with_grad_and_no_saved_tensor_hooks(install):
     handle = install(model, NUM_LAYERS)
     loss, grads, _ = counted_step(model, input_ids=ids, labels=ids)
     assert (handle.recomputes_served, handle.released_without_backward, handle.kept_bytes) == (0, NUM_LAYERS, 0)
-    assert attention_stash._NATIVE_SAVES == {}
     assert torch.equal(loss, expected_loss)
     assert_same_grads(grads, expected)
 
@@ -157,38 +156,15 @@ class _KeyIsValueAttention(LlamaAttention):
 
 
 @pytest.mark.parametrize("masked", [False, True], ids=["unmasked", "padded"])
-def test_a_tensor_in_two_roles_is_served_and_teaches_no_order(install, masked):
-    """A key that is the value, in the first non-reentrant step of a process: the kernel's node saves that tensor
-    twice, and either save may be the key's. The call is served bitwise, and what it saw is not kept as the order,
-    which a model with distinct keys and values then learns from its own call."""
+def test_a_tensor_in_two_roles_is_served(install, masked):
+    """A key that is the value, under non-reentrant checkpointing: the stash's node saves that tensor twice, as the
+    key and as the value, in both passes. The call is served bitwise, and so is a model with distinct keys and
+    values after it."""
     model = checkpointed(llama_model(num_key_value_heads=4), use_reentrant=False)
     for layer in model.model.layers:
         layer.self_attn.__class__ = _KeyIsValueAttention
     inputs = _inputs(masked)
     handle, _, _ = assert_served_as_plain(model, NUM_LAYERS, install, **inputs)
-    assert attention_stash._NATIVE_SAVES == {}
     handle.remove()
     assert_served_as_plain(checkpointed(llama_model(num_key_value_heads=4), use_reentrant=False), NUM_LAYERS, install,
                            **inputs)
-    assert list(attention_stash._NATIVE_SAVES) == [(attention_stash._CpuFlashOps, not masked)]
-
-
-def test_a_save_the_stash_does_not_know_is_named():
-    """A kernel node that saves a tensor the stash does not have (here: the entry returns a copy of the output its
-    kernel saved) is refused when the order is learned, naming the kernel; nothing is learned."""
-
-    class CopyingOps(attention_stash._CpuFlashOps):
-
-        @staticmethod
-        def kernel(query, key, value, mask, is_causal, scale):
-            out, tensors, scalars = attention_stash._CpuFlashOps.kernel(query, key, value, mask, is_causal, scale)
-            return out.clone(), tensors, scalars
-
-    query = torch.randn(1, 2, 8, 16, requires_grad=True)
-    with torch.autograd.graph.saved_tensors_hooks(lambda tensor: None, lambda packed: None):
-        with pytest.raises(
-                RuntimeError,
-                match="needs to know each tensor that the CPU flash attention kernel's autograd node saves, "
-                r"to serve non-reentrant checkpointing, got 5 saved tensors of which it knows 4 in torch "):
-            attention_stash._kernel_with_grad(CopyingOps, query, query.detach(), query.detach(), None, True, None)
-    assert attention_stash._NATIVE_SAVES == {}

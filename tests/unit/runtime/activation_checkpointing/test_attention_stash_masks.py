@@ -8,6 +8,8 @@ same mask F.sdpa would give it. Each counts that the recompute runs no attention
 layer's recompute was served. CI runs them on both checkpoint layouts of transformers.
 """
 
+import dataclasses
+
 import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -182,14 +184,16 @@ def test_mask_preparation_is_checked_against_pytorch_once(install, monkeypatch):
     install(model, 1)
     ids = batch_ids(sequence=SEQUENCE)
     model(input_ids=ids, attention_mask=_padding_mask("left"), labels=ids).loss.backward()
-    assert attention_stash._MASKS_CHECKED == {(attention_stash._CpuFlashOps, torch.bool, torch.float32)}
+    assert attention_stash._MASKS_CHECKED == {(attention_stash._CPU_FLASH, torch.bool, torch.float32)}
 
-    def finfo_min_mask(mask, dtype):
-        return mask if mask is None else torch.zeros(mask.shape, dtype=dtype).masked_fill(
+    def finfo_min_mask(mask, query, key, value):
+        return mask if mask is None else torch.zeros(mask.shape, dtype=query.dtype).masked_fill(
             ~mask,
-            torch.finfo(dtype).min)
+            torch.finfo(query.dtype).min)
 
-    monkeypatch.setattr(attention_stash, "_float_mask", finfo_min_mask)
+    backend = ("cpu", SDPBackend.FLASH_ATTENTION.value)
+    monkeypatch.setitem(attention_stash._BACKENDS, backend,
+                        dataclasses.replace(attention_stash._CPU_FLASH, prepare_mask=finfo_min_mask))
     monkeypatch.setattr(attention_stash, "_MASKS_CHECKED", set())
     with pytest.raises(RuntimeError,
                        match="needs its mask for CPU flash attention to be the one F.scaled_dot_product_attention "
@@ -203,7 +207,7 @@ def test_memory_efficient_bias_is_aligned_with_the_same_values(keys):
     one, rows whose strides the kernel cannot load are padded and sliced back, and the bias is expanded over heads."""
     query, key = torch.randn(2, 4, 8, 16), torch.randn(2, 4, keys, 16)
     mask = torch.rand(2, 1, 8, keys, generator=torch.Generator().manual_seed(0)) > 0.3
-    bias = attention_stash._EfficientOps.prepare_mask(mask, query, key, key)
+    bias = attention_stash._EFFICIENT.prepare_mask(mask, query, key, key)
     assert bias.shape == (2, 4, 8, keys) and bias.dtype == torch.float32 and bias.stride(-1) == 1
     assert all(stride % 16 == 0 for stride in bias.stride()[:-1] if stride)
     expected = torch.zeros(2, 1, 8, keys).masked_fill(~mask, float("-inf")).expand(2, 4, 8, keys)

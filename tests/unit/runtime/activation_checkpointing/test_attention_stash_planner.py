@@ -46,12 +46,12 @@ def test_formula_matches_the_bytes_kept(install, make_model, dtype, batch, seque
 def test_qwen3_30b_a3b_example():
     """The documented example: 136 MB per layer at micro-batch 4 and sequence 4096 in bfloat16, on each backend."""
     shape = dict(batch=4, heads=32, sequence=4096, head_dim=128, dtype=torch.bfloat16)
-    for ops in (attention_stash._CudnnOps, attention_stash._FlashOps, attention_stash._CpuFlashOps,
-                attention_stash._EfficientOps):
+    for ops in (attention_stash._CUDNN, attention_stash._FLASH, attention_stash._CPU_FLASH,
+                attention_stash._EFFICIENT):
         assert ops.kept_bytes(**shape) == 4 * 32 * 4096 * (128 * 2 + 4) == 136_314_880
     # Layouts that differ: flash pads the head dimension to 8, memory-efficient the log-sum-exp rows to 32.
-    assert attention_stash._FlashOps.kept_bytes(1, 2, 10, 12, torch.float16) == 1 * 2 * 10 * (16 * 2 + 4)
-    assert attention_stash._EfficientOps.kept_bytes(1, 2, 10, 12, torch.float16) == 1 * 2 * (10 * 12 * 2 + 32 * 4)
+    assert attention_stash._FLASH.kept_bytes(1, 2, 10, 12, torch.float16) == 1 * 2 * 10 * (16 * 2 + 4)
+    assert attention_stash._EFFICIENT.kept_bytes(1, 2, 10, 12, torch.float16) == 1 * 2 * (10 * 12 * 2 + 32 * 4)
 
 
 def test_budget_at_the_edges(install):
