@@ -91,7 +91,7 @@ class _SdpaArguments:
 
     def differing(self, other):
         """The name of the first argument in which ``other`` differs from these; None for none."""
-        return next((name for name in ("is_causal", "scale") if getattr(self, name) != getattr(other, name)), None)
+        return "is_causal" if self.is_causal != other.is_causal else "scale" if self.scale != other.scale else None
 
     def fix(self, name):
         return "Keep a layer's attention arguments the same from a forward to its backward"
