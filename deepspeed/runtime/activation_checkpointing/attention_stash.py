@@ -261,8 +261,7 @@ _CPU_FLASH = _Ops("CPU flash attention", "_scaled_dot_product_flash_attention_fo
                   _cpu_flash_backward, _float_mask, 1, 1, True)
 # cuDNN attention, PyTorch's first SDPA choice on Hopper and Blackwell GPUs; it expands the bias itself.
 _CUDNN = _Ops("cuDNN attention", "_scaled_dot_product_cudnn_attention", _cudnn_kernel, _cudnn_backward)
-# FlashAttention-2 on CUDA, PyTorch's first SDPA choice on Ampere and Ada GPUs, never for a masked call. F.sdpa pads
-# the head dimension to a multiple of 8 for it and slices its output back; so does the stash.
+# FlashAttention-2 on CUDA, Ampere's and Ada's first choice (never masked): the head dimension padded to 8, as F.sdpa.
 _FLASH = _Ops("flash attention", "_scaled_dot_product_flash_attention", _flash_kernel, _flash_backward, _float_mask, 8)
 # Memory-efficient attention on CUDA, PyTorch's choice where flash and cuDNN do not apply.
 _EFFICIENT = _Ops("memory-efficient attention", "_scaled_dot_product_efficient_attention", _efficient_kernel,
@@ -478,12 +477,11 @@ class _CheckpointCall:
     in both passes, and held as long as its graph: what its first pass keeps of each attention call lives here until
     the recompute's call of the same index takes it, or the graph goes."""
 
-    # Class defaults (each call object sets only its first two attributes): passes run; attention calls made in this
-    # one; whether the layer's attention reached the stash's entry in it; a _Kept per attention call of the first
-    # pass, None once taken; the first pass's masks (and position_ids) by (call index, role), as (True, identity) for
-    # a tensor the checkpoint holds, (False, (shape, dtype), digest) for one built in the layer; whether the first pass
-    # applied the stash's node (then the recompute is the stash's, also after a removal); whether this pass runs the
-    # stash's attention.
+    # Class defaults: passes run; attention calls made in this one; whether the layer's attention reached the stash's
+    # entry in it; a _Kept per attention call of the first pass, None once taken; the first pass's masks (and
+    # position_ids) by (call index, role): (True, identity) held by the checkpoint, (False, (shape, dtype), digest)
+    # built in the layer; whether the first pass applied the stash's node (then the recompute is the stash's, also
+    # after a removal); whether this pass runs the stash's attention.
     passes, calls, reached, kept, masks, recorded, serving = 0, 0, False, (), None, False, True
 
     def __init__(self, stash, function):
@@ -512,6 +510,7 @@ class _CheckpointCall:
             # A non-reentrant recompute stopped at its last save: each of its attention calls has run by then.
             if passes == 2 and serving and self.calls < len(self.kept):
                 self._check_recompute_calls()
+            self._settle(blocking=True)
             raise
         except BaseException:
             # A refusal, or any error: no recompute will take what is kept, so it goes now, not with the graph.
@@ -519,25 +518,26 @@ class _CheckpointCall:
             raise
         finally:
             _state.call = previous
-            if passes == 2:
-                self._settle()
         if passes == 1 and not self.calls and serving:
             self.stash.raise_without_attention_call(self.reached)
         if passes == 2:
             if self.calls != len(self.kept) and serving:
                 self._check_recompute_calls()
             self.kept = ()
+            self._settle(blocking=True)
         return outputs
 
     def _check_recompute_calls(self):
         """Raise for a recompute that made other attention calls than its forward, releasing what is kept."""
-        expected = len(self.kept)
-        self._release()
-        if not self.calls:
-            self.stash.raise_without_attention_call(self.reached)
-        raise AttentionStashError(f"{_FEATURE} needs the recompute of {self.stash.name} to make its forward's "
-                                  f"{expected} attention calls, got {self.calls}. Keep a layer's attention calls the "
-                                  f"same from a forward to its backward, or remove the stash from this layer.")
+        try:
+            if not self.calls:
+                self.stash.raise_without_attention_call(self.reached)
+            raise AttentionStashError(f"{_FEATURE} needs the recompute of {self.stash.name} to make its forward's "
+                                      f"{len(self.kept)} attention calls, got {self.calls}. Keep a layer's attention "
+                                      f"calls the same from a forward to its backward, or remove the stash from it.")
+        finally:
+            # After the message, which reads the hold that the release may let go of.
+            self._release()
 
     def attend(self, ops, query, key, value, mask, arguments):
         """One attention call of the layer, every implementation's: the first pass runs ``ops``' kernel (in the stash's
@@ -725,13 +725,13 @@ class _CheckpointCall:
         self.kept = ()
         self._settle()
 
-    def _settle(self):
+    def _settle(self, blocking=False):
         """The end of a recorded first pass's wait for its recompute: a removed stash's hold may go now."""
         if self.recorded:
             self.recorded = False
             _RECORDED.discard(self)
             if not self.stash.active:
-                _let_go_quietly()
+                _let_go_quietly(blocking)
 
     # The checkpoint's graph was freed without a recompute: its forward had no backward.
     __del__ = _release
@@ -753,7 +753,6 @@ class _Counters:
         self.peak_kept_bytes = max(self.peak_kept_bytes, self.kept_bytes)
 
     def take(self, nbytes, served):
-        """An entry of ``nbytes`` taken by its recompute (``served``), or released without it."""
         self.kept -= 1
         self.kept_bytes -= nbytes
         if served:
@@ -976,8 +975,7 @@ class _Entry:
 
 @dataclass(slots=True, eq=False)
 class _Hold:
-    """What the stash changed in Hugging Face's objects, to undo: the layer class that has the checkpoint-function
-    slot, what its dictionary held there before, and each served implementation's _Entry."""
+    """What the stash changed in Hugging Face's objects, to undo: the slot's class and what it held, each _Entry."""
 
     layer_class: type
     attention_functions: object
@@ -1042,14 +1040,25 @@ class _LayerStash:
 
     def raise_other_implementation(self, implementation):
         """Raise for an attention call of the layer through another implementation than the install's."""
+        self.raise_if_removed()
         raise AttentionStashError(f'{_FEATURE} needs {self.name} to call attention with attn_implementation='
                                   f'"{self.implementation}", as at the install, in each forward, got a forward with '
                                   f'"{implementation}". Remove the stash before switching the attention '
                                   f'implementation, and stash only layers with softmax attention.')
 
+    def raise_if_removed(self):
+        """Raise for a recompute after the removal (the graph holds the stash's node) that does not reach the stash."""
+        if not self.active:
+            raise AttentionStashError(f"{_FEATURE} needs the recompute of {self.name}, whose forward ran under "
+                                      f"non-reentrant checkpointing before handle.remove(), to call attention as that "
+                                      f"forward did, got another implementation or entry: that forward's graph holds "
+                                      f"the stash's node, whose saves only the stash gives. Change the attention "
+                                      f"implementation or its entry after that forward's backward.")
+
     def raise_without_attention_call(self, reached):
         """Raise for a checkpointed forward of the layer that made no attention call the stash ran; ``reached``:
         whether the layer's attention reached the stash's entry."""
+        self.raise_if_removed()
         implementation = self.implementation
         if self.config._attn_implementation != implementation:
             self.raise_other_implementation(self.config._attn_implementation)
@@ -1119,7 +1128,6 @@ def _stashing_entry(original, where, implementation):
     changes (a library's patch, ``mock.patch``), the next call copies again."""
     served = implementation.name
     copy, sources = implementation.copy(original, where)
-    # The module globals each copied function reads, and their values when the copy was made.
     watched = []
     for source in sources:
         names = [name for name in _names_read(source) if name in source.__globals__]
@@ -1147,7 +1155,6 @@ def _stashing_entry(original, where, implementation):
             return original(module, *args, **kwargs)
         if torch.is_grad_enabled() and module.training:
             stash = _STASHES.get(module)
-            # A stash whose layer was collected leaves its modules to whatever runs them now.
             if stash is not None and stash.layer() is not None:
                 stash.raise_outside_checkpoint()
         return original(module, *args, **kwargs)
@@ -1256,10 +1263,10 @@ def _let_go():
             setattr(hold.layer_class, _CHECKPOINT_FUNCTION, hold.class_attribute)
 
 
-def _let_go_quietly():
-    """``_let_go`` from a collection, which can run inside an install or removal on this thread that holds the lock:
-    the next one lets go then."""
-    if _LOCK.acquire(blocking=False):
+def _let_go_quietly(blocking=False):
+    """``_let_go`` under the lock; not blocking on it from a collection, which can run inside an install or removal on
+    this thread: the next one lets go then. A recompute, which never runs under the lock, blocks."""
+    if _LOCK.acquire(blocking=blocking):
         try:
             _let_go()
         finally:
@@ -1434,9 +1441,9 @@ def _model_plans(model, layer_class, interface):
         for module_name, module in layer.named_modules():
             kind = _attention_kind(module, interface)
             # An attention module that attends to an encoder's states, as transformers names them.
+            names = (type(module).__name__.replace("Cross", "cross_attn"), module_name)
             if kind == "interface" and (getattr(module, "is_cross_attention", False) is True
-                                        or "Cross" in type(module).__name__
-                                        or any(part in module_name
+                                        or any(part in name for name in names
                                                for part in ("encoder_attn", "crossattention", "cross_attn"))):
                 kind = "cross"
             kinds.setdefault(kind, []).append(module)
@@ -1592,26 +1599,20 @@ def _install_message(model, chosen, records, plans, others, sizes, micro_batch_s
                     f"micro_batch_size and sequence_length for the exact figure)")
         except (AttentionStashError, ValueError):
             cost = "a cost the planner cannot tell for these attention modules"
+    # The checkpointing, as far as the last layer's checkpoint function tells now.
+    layer = chosen[-1].layer
+    reentrant = getattr(layer.__dict__.get(_CHECKPOINT_FUNCTION), "keywords", {}).get("use_reentrant")
+    mode = ("checkpointing not enabled yet" if not layer.gradient_checkpointing or reentrant is None else
+            "reentrant checkpointing" if reentrant else "non-reentrant checkpointing")
     message = (f"{_FEATURE}: keeping the attention output of {len(chosen)} of {len(plans)} attention layers "
-               f"({chosen[0].name} to {chosen[-1].name}) for their recompute: {cost}; "
-               f"{_checkpointing_mode(chosen[-1].layer)}; attn_implementation {served}.")
+               f"({chosen[0].name} to {chosen[-1].name}) for their recompute: {cost}; {mode}: the recompute replays "
+               f"the kept output through the kernel's backward, in either mode; attn_implementation {served}.")
     if others:
         reasons = Counter(why for _, why in others)
         message += " Left out: " + "; ".join(
             f"{count} decoder layer{'s' * (count > 1)} {'with' if why.startswith('no ') else 'where'} {why}"
             for why, count in reasons.items()) + "."
     return message
-
-
-def _checkpointing_mode(layer):
-    """The layer's checkpointing, as far as its checkpoint function tells now, and how the stash serves it."""
-    function = layer.__dict__.get(_CHECKPOINT_FUNCTION)
-    reentrant = getattr(function, "keywords", {}).get("use_reentrant")
-    if not layer.gradient_checkpointing or reentrant is None:
-        mode = "checkpointing not enabled yet"
-    else:
-        mode = "reentrant checkpointing" if reentrant else "non-reentrant checkpointing"
-    return f"{mode}: the recompute replays the kept output through the kernel's backward, in either mode"
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -1676,8 +1677,7 @@ class AttentionStashHandle:
     released_without_backward = property(lambda self: self._counters.released_without_backward)
 
     def __reduce__(self):
-        # A copy or pickle of the handle (copy, deepcopy, pickle, torch.save of a model that holds it) stashes nothing:
-        # the stash belongs to the original's layers, and the copied model is stock.
+        # A copy or pickle of the handle (or of a model that holds it) stashes nothing: the stash is the original's.
         return AttentionStashHandle, ([], _Counters())
 
     def remove(self):

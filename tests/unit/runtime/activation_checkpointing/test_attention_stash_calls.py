@@ -26,9 +26,10 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from deepspeed.runtime.activation_checkpointing import attention_stash
 from deepspeed.runtime.activation_checkpointing.attention_stash import install_attention_stash
 
-from attention_stash_helpers import (CPU_FORWARD, NUM_LAYERS, CountOps, assert_same_grads, assert_stock_process,
-                                     batch_ids, checkpointed, every_n_layers, live_checkpoint_calls, logged_messages,
-                                     mixtral_model, param_grads, qwen3_moe_model, stashed_train_step, train_step)
+from attention_stash_helpers import (CPU_FORWARD, NUM_LAYERS, STOCK_SDPA, CountOps, assert_same_grads,
+                                     assert_stock_process, batch_ids, checkpointed, every_n_layers,
+                                     live_checkpoint_calls, llama_model, logged_messages, mixtral_model, param_grads,
+                                     qwen3_moe_model, stashed_train_step, train_step)
 
 
 def _counts(handle):
@@ -358,6 +359,72 @@ def test_remove_between_forward_and_backward(install, use_reentrant):
     assert_same_grads(param_grads(model), expected)
     del loss
     assert not live_checkpoint_calls()
+
+
+@pytest.mark.parametrize("early_stop", [True, False], ids=["early_stop", "full_recompute"])
+def test_a_removed_stash_s_recompute_that_does_not_reach_it_is_named(install, early_stop):
+    """Non-reentrant checkpointing, remove() between a forward and its backward, then an "sdpa" function registered
+    that calls F.sdpa itself: the forward's graph holds the stash's node, whose saves only the stash's recompute gives,
+    so that recompute is refused by name (the message read before the hold goes, not an AttributeError of a hold let
+    go), what it kept is released, and the process is stock once the registration is undone."""
+    from transformers.modeling_utils import AttentionInterface
+
+    model = checkpointed(llama_model(), use_reentrant=False, early_stop=early_stop)
+    handle = install(model, 1)
+    ids = batch_ids()
+    loss = model(input_ids=ids, labels=ids).loss
+    handle.remove()
+
+    def own_sdpa(module, query, key, value, attention_mask, scaling=None, **kwargs):
+        groups = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+        out = torch.nn.functional.scaled_dot_product_attention(query,
+                                                               key,
+                                                               value,
+                                                               attn_mask=attention_mask,
+                                                               scale=scaling,
+                                                               is_causal=attention_mask is None)
+        return out.transpose(1, 2).contiguous(), None
+
+    # A registration after the removal, which the user undoes below: what the stash held goes back meanwhile.
+    AttentionInterface._global_mapping["sdpa"] = own_sdpa
+    try:
+        with pytest.raises(attention_stash.AttentionStashError,
+                           match=r"needs the recompute of model\.layers\.2, whose forward ran under non-reentrant "
+                           r"checkpointing before handle\.remove\(\), to call attention as that forward did"):
+            loss.backward()
+        assert (handle.num_kept, handle.recomputes_served, handle.released_without_backward) == (0, 0, 1)
+        del loss
+        assert attention_stash._held is None and AttentionInterface._global_mapping["sdpa"] is own_sdpa
+    finally:
+        AttentionInterface._global_mapping["sdpa"] = STOCK_SDPA
+    assert_stock_process()
+
+
+def test_a_removed_stash_lets_go_after_a_recompute_that_waited_for_the_lock(install):
+    """The last recompute that a removed stash serves ends while another thread holds the stash's lock (an install or
+    a removal in progress there): the recompute waits for it and lets go of Hugging Face's objects, rather than leave
+    them held with nothing stashed."""
+    model = checkpointed(llama_model(), use_reentrant=False)
+    handle = install(model, NUM_LAYERS)
+    ids = batch_ids()
+    loss = model(input_ids=ids, labels=ids).loss
+    handle.remove()
+    assert attention_stash._held is not None
+    locked = threading.Event()
+
+    def hold_the_lock():
+        with attention_stash._LOCK:
+            locked.set()
+            time.sleep(0.3)
+
+    other = threading.Thread(target=hold_the_lock)
+    other.start()
+    locked.wait(5)
+    loss.backward()
+    other.join()
+    assert handle.recomputes_served == NUM_LAYERS
+    assert_stock_process()
 
 
 def test_rejects_a_layer_class_that_shadows_the_checkpoint_function(monkeypatch):
