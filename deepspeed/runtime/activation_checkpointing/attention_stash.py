@@ -500,8 +500,7 @@ class _CheckpointCall:
             # Removed between the forward and this recompute, which runs stock attention: what was kept goes now.
             self._release()
         serving = self.serving = self.stash.active or self.recorded
-        self.calls = 0
-        self.reached = False
+        self.calls, self.reached = 0, False
         previous = _state.call
         _state.call = self
         try:
@@ -510,7 +509,7 @@ class _CheckpointCall:
             # A non-reentrant recompute stopped at its last save: each of its attention calls has run by then.
             if passes == 2 and serving and self.calls < len(self.kept):
                 self._check_recompute_calls()
-            self._settle(blocking=True)
+            self._settle()
             raise
         except BaseException:
             # A refusal, or any error: no recompute will take what is kept, so it goes now, not with the graph.
@@ -524,7 +523,7 @@ class _CheckpointCall:
             if self.calls != len(self.kept) and serving:
                 self._check_recompute_calls()
             self.kept = ()
-            self._settle(blocking=True)
+            self._settle()
         return outputs
 
     def _check_recompute_calls(self):
@@ -637,7 +636,7 @@ class _CheckpointCall:
         ops = _BACKENDS.get((device_type, choice))
         if ops is None:
             self._raise_unlike_forward(self.calls, None, query, device_type, choice)
-        bias = ops.prepare_mask(attn_mask, query, key, value)
+        bias = attn_mask if attn_mask is None else ops.prepare_mask(attn_mask, query, key, value)
         if attn_mask is not None and (ops, attn_mask.dtype, query.dtype) not in _MASKS_CHECKED:
             _check_mask_preparation(ops, choice, bias, query, key, value, attn_mask, is_causal, scale, enable_gqa)
         if scale is None and query.shape[-1] % ops.head_dim_multiple:
@@ -717,15 +716,15 @@ class _CheckpointCall:
         return any(
             isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() == pointer for value in bound)
 
-    def _release(self):
+    def _release(self, blocking=True):
         """Count every entry not taken released, and let go of them."""
         for entry in self.kept:
             if entry is not None:
                 self.stash.counters.take(entry.nbytes, served=False)
         self.kept = ()
-        self._settle()
+        self._settle(blocking)
 
-    def _settle(self, blocking=False):
+    def _settle(self, blocking=True):
         """The end of a recorded first pass's wait for its recompute: a removed stash's hold may go now."""
         if self.recorded:
             self.recorded = False
@@ -733,8 +732,9 @@ class _CheckpointCall:
             if not self.stash.active:
                 _let_go_quietly(blocking)
 
-    # The checkpoint's graph was freed without a recompute: its forward had no backward.
-    __del__ = _release
+    def __del__(self):
+        # The graph went without a recompute (no backward); a collection may run where this thread holds the lock.
+        self._release(blocking=False)
 
 
 @dataclass(slots=True)

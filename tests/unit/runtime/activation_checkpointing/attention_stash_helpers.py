@@ -216,6 +216,19 @@ class CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def graph_nodes(node):
+    """The names of the autograd nodes reachable from ``node``, each node once."""
+    seen, names, pending = set(), [], [node]
+    while pending:
+        node = pending.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.append(type(node).__name__)
+        pending += [inner for inner, _ in node.next_functions]
+    return names
+
+
 def live_checkpoint_calls():
     """The stash's per-call objects alive now: each holds what its first pass kept, until its recompute takes it."""
     from deepspeed.runtime.activation_checkpointing.attention_stash import _CheckpointCall

@@ -396,6 +396,7 @@ def test_a_removed_stash_s_recompute_that_does_not_reach_it_is_named(install, ea
         assert (handle.num_kept, handle.recomputes_served, handle.released_without_backward) == (0, 0, 1)
         del loss
         assert attention_stash._held is None and AttentionInterface._global_mapping["sdpa"] is own_sdpa
+        assert not live_checkpoint_calls()
     finally:
         AttentionInterface._global_mapping["sdpa"] = STOCK_SDPA
     assert_stock_process()

@@ -19,7 +19,7 @@ from transformers.models.llama.modeling_llama import LlamaAttention, apply_rotar
 from deepspeed.runtime.activation_checkpointing import attention_stash
 
 from attention_stash_helpers import (CPU_BACKWARD, CPU_FORWARD, NUM_LAYERS, CountOps, assert_same_grads,
-                                     assert_served_as_plain, batch_ids, checkpointed, counted_step,
+                                     assert_served_as_plain, batch_ids, checkpointed, counted_step, graph_nodes,
                                      live_checkpoint_calls, llama_model, param_grads, train_step)
 
 # No dimension of the tiny models' parameters has this size.
@@ -80,7 +80,7 @@ def test_first_non_reentrant_step_runs_each_attention_forward_once(install, mask
     model.zero_grad(set_to_none=True)
     with CountOps() as forward:
         loss = model(**inputs).loss
-    assert _graph_nodes(loss.grad_fn).count("_AttentionNodeBackward") == NUM_LAYERS
+    assert graph_nodes(loss.grad_fn).count("_AttentionNodeBackward") == NUM_LAYERS
     with CountOps() as backward:
         loss.backward()
     assert (forward.calls[CPU_FORWARD], backward.calls[CPU_FORWARD]) == (NUM_LAYERS, 0)
@@ -88,19 +88,6 @@ def test_first_non_reentrant_step_runs_each_attention_forward_once(install, mask
     if not masked:
         assert torch.equal(loss.detach(), expected_loss)
         assert_same_grads(param_grads(model), expected)
-
-
-def _graph_nodes(node):
-    """The names of the autograd nodes reachable from ``node``, each node once."""
-    seen, names, pending = set(), [], [node]
-    while pending:
-        node = pending.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        names.append(type(node).__name__)
-        pending += [inner for inner, _ in node.next_functions]
-    return names
 
 
 def test_a_first_pass_whose_attention_needs_no_grad_records_no_node(install):

@@ -31,7 +31,7 @@ from torch.nn.attention import SDPBackend
 
 from deepspeed.runtime.activation_checkpointing import attention_stash
 
-from attention_stash_helpers import QWEN3_NEXT_HYBRID, CountOps, checkpointed, live_checkpoint_calls
+from attention_stash_helpers import QWEN3_NEXT_HYBRID, CountOps, checkpointed, graph_nodes, live_checkpoint_calls
 
 BATCH = 2
 # No dimension of the models' parameters has this size; not a multiple of 32, so that the memory-efficient kernel
@@ -159,19 +159,6 @@ def _layers_forward(model, mask):
     return hidden, inputs
 
 
-def _graph_nodes(node):
-    """The names of the autograd nodes reachable from ``node``, each node once."""
-    seen, names, pending = set(), [], [node]
-    while pending:
-        node = pending.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        names.append(type(node).__name__)
-        pending += [inner for inner, _ in node.next_functions]
-    return names
-
-
 def _live_tensors():
     """Shapes of the tensors alive now with a dimension of SEQUENCE and at least three dimensions."""
     gc.collect()
@@ -200,8 +187,8 @@ def test_cuda_backend_training_step_on_meta(install, cuda_backend_on_meta, backe
     assert (handle.num_kept, handle.kept_bytes) == (attention_layers * calls, attention_layers * calls * per_call)
 
     # Reentrant checkpointing records no graph in the first pass; non-reentrant records the stash's node of each call.
-    assert _graph_nodes(hidden.grad_fn).count("_AttentionNodeBackward") == (0 if use_reentrant else attention_layers *
-                                                                            calls)
+    assert graph_nodes(hidden.grad_fn).count("_AttentionNodeBackward") == (0 if use_reentrant else attention_layers *
+                                                                           calls)
     with CountOps() as backward:
         hidden.sum().backward()
     kernel_calls = (backward.calls[f"{ops.op}.default"], backward.calls[f"{ops.op}_backward.default"])
