@@ -11,20 +11,24 @@ forward to its recompute, and hands them to the attention backward: the recomput
 Contents, in reading order:
 
 - Records and errors: ``AttentionStashError``, what one attention call keeps, the arguments compared between passes.
-- Kernels: the table of PyTorch's fused SDPA backends and flash-attn 2's ops, and ``_AttentionNode``, the one autograd
-  node that runs or replays a kernel in both passes of both checkpoint modes.
+- Kernels: the table of PyTorch's fused SDPA backends, the flash-attn interfaces the stash knows (flash-attn 2's and
+  3's, from a package or a Hub kernel), and ``_AttentionNode``, the one autograd node that runs or replays a kernel in
+  both passes of both checkpoint modes.
 - One checkpoint call: ``_CheckpointCall``, run by a stashed layer's checkpoint in place of the layer's function, with
   the one skeleton of an attention call.
-- The implementations table: a record per attention implementation served ("sdpa", "flash_attention_2"): how the
-  stash's copy of Hugging Face's function reaches the checkpoint call, its import check, its planner geometry.
+- The implementations table: a record per attention implementation served ("sdpa", "flash_attention_2",
+  "flash_attention_3", a Hub kernel's): how the stash's copy of Hugging Face's function reaches the checkpoint call,
+  how its kernels are loaded and checked, its planner geometry.
 - The hold on Hugging Face's objects: the layer class's checkpoint-function slot and the interface's entries.
 - Discovery and the planner: a plan per attention layer, made once per install, and the bytes it keeps.
 - The installer and the handle: ``install_attention_stash``, ``AttentionStashHandle``, and the planner's functions.
 """
 
+import dataclasses
 import inspect
 import math
 import operator
+import re
 import sys
 import threading
 import types
@@ -115,6 +119,17 @@ class _FlashArguments:
     max_seqlen_k: int = None
     return_attn_probs: bool = False
     block_table: torch.Tensor = None
+    # flash-attn 3's: its varlen function's and the arguments it adds (its defaults); it has no dropout_p.
+    seqused_q: torch.Tensor = None
+    seqused_k: torch.Tensor = None
+    qv: torch.Tensor = None
+    q_descale: torch.Tensor = None
+    k_descale: torch.Tensor = None
+    v_descale: torch.Tensor = None
+    attention_chunk: int = 0
+    num_splits: int = 1
+    pack_gqa: bool = None
+    sm_margin: int = 0
     # The cu_seqlens' version counters at the call: a padding-free collator's reach both passes as the same tensors.
     versions: tuple = None
 
@@ -125,7 +140,7 @@ class _FlashArguments:
     def differing(self, other):
         """As _SdpaArguments.differing; cu_seqlens by value, or by version where both passes got the same tensor."""
         for name in ("max_seqlen_q", "max_seqlen_k", "softmax_scale", "causal", "window_size", "softcap",
-                     "deterministic", "dropout_p"):
+                     "deterministic", "dropout_p", "sm_margin"):
             if getattr(self, name) != getattr(other, name):
                 return name
         if self.alibi_slopes is not other.alibi_slopes:
@@ -150,6 +165,16 @@ class _FlashArguments:
         """The varlen function's (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k); () for a plain call."""
         return () if self.cu_seqlens_q is None else (self.cu_seqlens_q, self.cu_seqlens_k, self.max_seqlen_q,
                                                      self.max_seqlen_k)
+
+    def unserved(self):
+        """The first argument given that asks for more than the attention output of plain softmax attention (an
+        extra output, a paged cache, FP8 scales, another input, chunked attention); None for none."""
+        for name in ("return_attn_probs", "block_table", "seqused_q", "seqused_k", "qv", "q_descale", "k_descale",
+                     "v_descale", "attention_chunk"):
+            value = getattr(self, name)
+            if value is not None and value is not False and not (type(value) is int and value == 0):
+                return name
+        return None
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -389,40 +414,113 @@ def _mask_digest(mask):
     return digest
 
 
-# flash-attn 2: flash_attn_func for plain batches, flash_attn_varlen_func for padded (unpadded first) and packed ones.
-# Its autograd functions pad the head dimension to a multiple of 8, save (query, key, value, padded output,
-# log-sum-exp, [cu_seqlens_q, cu_seqlens_k,] rng_state) and call its backward op; so does the stash's node, its padding
-# differentiable. flash_attn.flash_attn_interface, once an install imported it:
-_flash_attn = None
-# The keyword arguments flash-attn's functions pass its forward ops, after the positional ones.
+# flash-attn 2 and 3, from their pip packages or a Hub kernel: flash_attn_func for plain batches,
+# flash_attn_varlen_func for padded (unpadded first) and packed ones. Their autograd functions call their interface
+# module's kernel functions, which the stash calls by name in that module with the same arguments: flash-attn 2's pad
+# the head dimension to a multiple of 8 and save (query, key, value, padded output, log-sum-exp, [cu_seqlens_q,
+# cu_seqlens_k,] rng_state); flash-attn 3's save (query, key, value, output, log-sum-exp, [cu_seqlens_q, cu_seqlens_k,
+# seqused_q, seqused_k]). So does the stash's node, its padding differentiable.
+# The keyword arguments flash-attn 2's functions pass its forward ops, after the positional ones.
 _FLASH_FORWARD_KEYWORDS = ("causal", "window_size_left", "window_size_right", "softcap", "alibi_slopes",
                            "return_softmax")
 
 
-def _flash_attn_kernel(q, k, v, mask, a):
+def _flash2_kernel(module, forward, q, k, v, mask, a):
     varlen = a.varlen()
-    forward = _flash_attn._wrapped_flash_attn_varlen_forward if varlen else _flash_attn._wrapped_flash_attn_forward
     keywords = dict(zip(_FLASH_FORWARD_KEYWORDS, (a.causal, *a.window_size, a.softcap, a.alibi_slopes, False)))
     if varlen:
         keywords["block_table"] = None
-    out, lse, _, rng_state = forward(q, k, v, *varlen, a.dropout_p, a.softmax_scale, **keywords)
+    out, lse, _, rng_state = getattr(module, forward)(q, k, v, *varlen, a.dropout_p, a.softmax_scale, **keywords)
     return out, (lse, *varlen[:2], rng_state), ()
 
 
-def _flash_attn_backward(grad, q, k, v, mask, out, tensors, scalars, a, needs_grad):
+def _flash2_backward(module, backward, grad, q, k, v, mask, out, tensors, scalars, a, needs_grad):
     lse, *_, rng_state = tensors
-    varlen = a.varlen()
-    backward = _flash_attn._wrapped_flash_attn_varlen_backward if varlen else _flash_attn._wrapped_flash_attn_backward
     grads, rng_state = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)), {"rng_state": rng_state}
-    backward(grad, q, k, v, out, lse, *grads, *varlen, a.dropout_p, a.softmax_scale, a.causal, *a.window_size,
-             a.softcap, a.alibi_slopes, a.deterministic, **rng_state)
+    getattr(module, backward)(grad, q, k, v, out, lse, *grads, *a.varlen(), a.dropout_p, a.softmax_scale, a.causal,
+                              *a.window_size, a.softcap, a.alibi_slopes, a.deterministic, **rng_state)
     return grads
 
 
-_FLASH_ATTN = _Ops("flash-attn 2 (flash_attn_func)", "_wrapped_flash_attn_forward", _flash_attn_kernel,
-                   _flash_attn_backward, _float_mask, 8)
-_FLASH_ATTN_VARLEN = _Ops("flash-attn 2 (flash_attn_varlen_func)", "_wrapped_flash_attn_varlen_forward",
-                          _flash_attn_kernel, _flash_attn_backward, _float_mask, 8)
+def _flash3_kernel(module, forward, q, k, v, mask, a):
+    cu_q, cu_k, max_q, max_k = a.varlen() or (None, ) * 4
+    out, lse, *_ = getattr(module, forward)(q,
+                                            k,
+                                            v,
+                                            None,
+                                            None,
+                                            a.qv,
+                                            None,
+                                            cu_q,
+                                            cu_k,
+                                            None,
+                                            a.seqused_q,
+                                            a.seqused_k,
+                                            max_q,
+                                            max_k,
+                                            *(None, ) * 6,
+                                            a.q_descale,
+                                            a.k_descale,
+                                            a.v_descale,
+                                            a.softmax_scale,
+                                            causal=a.causal,
+                                            window_size=a.window_size,
+                                            attention_chunk=a.attention_chunk,
+                                            softcap=a.softcap,
+                                            num_splits=a.num_splits,
+                                            pack_gqa=a.pack_gqa,
+                                            sm_margin=a.sm_margin)
+    return out, (lse, cu_q, cu_k), ()
+
+
+def _flash3_backward(module, backward, grad, q, k, v, mask, out, tensors, scalars, a, needs_grad):
+    cu_q, cu_k, max_q, max_k = a.varlen() or (None, ) * 4
+    grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
+    getattr(module,
+            backward)(grad, q, k, v, out, tensors[0], cu_q, cu_k, a.seqused_q, a.seqused_k, max_q, max_k, *grads,
+                      a.softmax_scale, a.causal, a.window_size, a.softcap, a.deterministic, a.sm_margin)
+    return grads
+
+
+@dataclass(frozen=True, eq=False)
+class _FlashFamily:
+    """A flash-attn interface the stash knows, wherever it is loaded from (a pip package, a Hub kernel): its name and
+    release, the parameters of its flash_attn_func and flash_attn_varlen_func beyond q, k and v, the prefixes of the
+    kernel functions its autograd functions call (the first a module has), their names after the prefix (forward,
+    varlen forward, backward, varlen backward), ``kernel`` and ``backward``, and the head-dimension multiple of its
+    output."""
+
+    name: str
+    release: str
+    parameters: frozenset
+    prefixes: tuple
+    functions: tuple
+    kernel: object
+    backward: object
+    head_dim_multiple: int
+
+    def ops(self, module, names, varlen):
+        """Ops for flash_attn_func (or flash_attn_varlen_func) of ``module``, whose kernel functions are ``names``."""
+        forward, backward = names[varlen], names[2 + varlen]
+        return _Ops(f"{self.name} ({'flash_attn_varlen_func' if varlen else 'flash_attn_func'})", forward,
+                    partial(self.kernel, module, forward), partial(self.backward, module, backward), _float_mask,
+                    self.head_dim_multiple)
+
+
+_FLASH_VARLEN_PARAMETERS = "cu_seqlens_q cu_seqlens_k max_seqlen_q max_seqlen_k "
+_FLASH_FAMILIES = (
+    _FlashFamily(
+        "flash-attn 2", "flash-attn 2.8",
+        frozenset((_FLASH_VARLEN_PARAMETERS + "dropout_p softmax_scale causal window_size softcap alibi_slopes "
+                   "deterministic return_attn_probs block_table").split()), ("_wrapped_flash_attn_", "_flash_attn_"),
+        ("forward", "varlen_forward", "backward", "varlen_backward"), _flash2_kernel, _flash2_backward, 8),
+    _FlashFamily(
+        "flash-attn 3", "flash-attn 3 (2.8's hopper interface)",
+        frozenset(
+            (_FLASH_VARLEN_PARAMETERS + "seqused_q seqused_k softmax_scale causal qv q_descale k_descale "
+             "v_descale window_size attention_chunk softcap num_splits pack_gqa deterministic sm_margin").split()),
+        ("_flash_attn_", ), ("forward", "forward", "backward", "backward"), _flash3_kernel, _flash3_backward, 1),
+)
 
 
 class _AttentionNode(torch.autograd.Function):
@@ -644,18 +742,18 @@ class _CheckpointCall:
             scale = 1.0 / math.sqrt(query.shape[-1])
         return self.attend(ops, query, key, value, bias, _SdpaArguments(is_causal, scale))
 
-    def flash(self, query, key, value, arguments):
-        """flash-attn 2's flash_attn_func (``cu_seqlens_q`` None) or flash_attn_varlen_func for one attention call of
-        the layer: the forward kernel that flash-attn's autograd function would run."""
+    def flash(self, interface, query, key, value, arguments):
+        """``interface``'s flash_attn_func (``cu_seqlens_q`` None) or flash_attn_varlen_func for one attention call
+        of the layer: the forward kernel function that its autograd function would call."""
         a = arguments
         # The guards of a call with an argument other than Hugging Face's training defaults.
         if a.dropout_p != 0.0:
             self._check_dropout(a.dropout_p)
-        if a.return_attn_probs or a.block_table is not None:
-            got = "return_attn_probs=True" if a.return_attn_probs else "a block_table"
-            raise AttentionStashError(f"{_FEATURE} needs flash-attn calls that return the attention output alone, "
-                                      f"without a block table, in {self.stash.name}, got {got}. Remove the stash from "
-                                      f"this layer.")
+        unserved = a.unserved()
+        if unserved is not None:
+            raise AttentionStashError(f"{_FEATURE} needs flash-attn calls that return the attention output of plain "
+                                      f"softmax attention alone in {self.stash.name}, got {unserved}="
+                                      f"{getattr(a, unserved)!r}. Remove the stash from this layer.")
         if isinstance(a.alibi_slopes, torch.Tensor) and a.alibi_slopes.requires_grad:
             raise AttentionStashError(f"{_FEATURE} needs ALiBi slopes that do not require grad in {self.stash.name}, "
                                       f"got learned ones, whose gradient flash-attn does not compute. Remove the "
@@ -668,7 +766,8 @@ class _CheckpointCall:
         if a.softmax_scale is None:
             # As flash-attn's autograd functions: from the head dimension before padding.
             a.softmax_scale = query.shape[-1]**(-0.5)
-        return self.attend(_FLASH_ATTN if a.cu_seqlens_q is None else _FLASH_ATTN_VARLEN, query, key, value, None, a)
+        return self.attend(interface.ops if a.cu_seqlens_q is None else interface.varlen_ops, query, key, value, None,
+                           a)
 
     def _check_dropout(self, dropout_p):
         if dropout_p != 0.0:
@@ -773,14 +872,15 @@ def _sdpa_of_current_call(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=Fals
     return _state.call.sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
 
 
-def _flash_of_current_call(q, k, v, **options):
+def _flash_of_current_call(interface, q, k, v, **options):
     # flash_attn_func, as Hugging Face calls it: query, key and value, then each option by name.
-    return _state.call.flash(q, k, v, _FlashArguments(**options))
+    return _state.call.flash(interface, q, k, v, _FlashArguments(**options))
 
 
-def _flash_varlen_of_current_call(q, k, v, cu_seqlens_q, cu_seqlens_k, **options):
+def _flash_varlen_of_current_call(interface, q, k, v, cu_seqlens_q, cu_seqlens_k, **options):
     # flash_attn_varlen_func, as Hugging Face calls it.
-    return _state.call.flash(q, k, v, _FlashArguments(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, **options))
+    arguments = _FlashArguments(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, **options)
+    return _state.call.flash(interface, q, k, v, arguments)
 
 
 def _module_view(module, **entries):
@@ -816,7 +916,7 @@ def _raise_other_function(implementation, where, function, calls):
                               f"wrapping or replacing that entry.")
 
 
-def _sdpa_copy(function, where):
+def _sdpa_copy(record, function, where):
     """Hugging Face's sdpa function, copied so that where its code reaches F.scaled_dot_product_attention through a
     module global, it reaches the current checkpoint call's ``sdpa``: (copy, the functions whose globals it
     snapshots)."""
@@ -829,12 +929,12 @@ def _sdpa_copy(function, where):
     names = _names_read(function)
     entries = {name: views[id(module_globals[name])] for name in names if id(module_globals.get(name)) in views}
     if not entries or _SDPA.__name__ not in names:
-        _raise_other_function("sdpa", where, function, f"{_IMPLEMENTATIONS['sdpa'].calls} in its own code")
+        _raise_other_function(record.name, where, function, f"{record.calls} in its own code")
     return _copy_with(function, entries), (function, )
 
 
-def _flash_copy(function, where):
-    """Hugging Face's flash_attention_2 function, copied so that it calls a copy of _flash_attention_forward whose
+def _flash_copy(record, function, where):
+    """Hugging Face's flash attention function, copied so that it calls a copy of _flash_attention_forward whose
     lazy_import_flash_attention hands out the current checkpoint call's ``flash``: (copy, the functions whose globals
     it snapshots)."""
     inner = getattr(function, "__globals__", {}).get("_flash_attention_forward")
@@ -842,7 +942,7 @@ def _flash_copy(function, where):
             or "lazy_import_flash_attention" not in _names_read(inner)
             or not callable(inner.__globals__.get("lazy_import_flash_attention"))):
         _raise_other_function(
-            "flash_attention_2", where, function,
+            record.name, where, function,
             "flash-attn through transformers.modeling_flash_attention_utils._flash_attention_forward")
     lazy_import = partial(_stashing_flash_import, inner.__globals__["lazy_import_flash_attention"])
     inner_copy = _copy_with(inner, {"lazy_import_flash_attention": lazy_import})
@@ -862,43 +962,98 @@ def _flash_inputs_checked(inner, query, key, value, attention_mask, *args, posit
 
 
 def _stashing_flash_import(lazy_import, implementation, *args, **kwargs):
-    """Hugging Face's lazy_import_flash_attention for a stashed call: what it returns, with flash-attn's
-    flash_attn_func and flash_attn_varlen_func replaced by the current checkpoint call's."""
+    """Hugging Face's lazy_import_flash_attention for a stashed call: what it returns, with the flash_attn_func and
+    flash_attn_varlen_func that the install found for ``implementation`` replaced by the current checkpoint call's."""
     (function, varlen_function, *others), processors = lazy_import(implementation, *args, **kwargs)
-    if function is not _flash_attn.flash_attn_func or varlen_function is not _flash_attn.flash_attn_varlen_func:
-        raise AttentionStashError(f"{_FEATURE} needs Hugging Face's flash_attention_2 to call flash-attn 2's "
-                                  f"flash_attn_func and flash_attn_varlen_func, whose kernels it replays, got "
-                                  f"{function!r} and {varlen_function!r} (another flash attention package, a hub "
-                                  f"kernel, or an NPU build). Train without the stash, or load the model with "
-                                  f"attn_implementation=\"sdpa\".")
-    return (_flash_of_current_call, _flash_varlen_of_current_call, *others), processors
+    interface = _FLASH_INTERFACES.get(implementation)
+    if interface is None or function is not interface.function or varlen_function is not interface.varlen_function:
+        found = f"{interface.family.name}'s" if interface else "the"
+        raise AttentionStashError(f"{_FEATURE} needs Hugging Face's {implementation} to call {found} flash_attn_func "
+                                  f"and flash_attn_varlen_func, whose kernels it replays, as the install found them "
+                                  f"({interface.description if interface else 'none'}), got {function!r} and "
+                                  f"{varlen_function!r} (another flash attention package or Hub kernel, or an NPU "
+                                  f"build). Install the stash after choosing the attention implementation, or load "
+                                  f"the model with attn_implementation=\"sdpa\".")
+    return (*interface.calls, *others), processors
 
 
-def _import_flash_attn():
-    """Import and check flash-attn's interface module, which the stash calls as flash-attn's autograd functions do."""
-    global _flash_attn
-    if _flash_attn is not None:
-        return _flash_attn
+@dataclass(slots=True, eq=False)
+class _FlashInterface:
+    """The flash functions Hugging Face's lazy import hands out for an implementation: their family, where they come
+    from (the install line's words), flash_attn_func and flash_attn_varlen_func, the ops of each, and the current
+    checkpoint call's stand-ins for them."""
+
+    family: _FlashFamily
+    description: str
+    function: object
+    varlen_function: object
+    ops: _Ops
+    varlen_ops: _Ops
+    calls: tuple = ()
+
+
+# The flash interface of each implementation, as its latest install (or plan) found it.
+_FLASH_INTERFACES = {}
+
+
+def _source(module):
+    """Where a flash interface module comes from, in words: a Hub kernel's repository and revision as the kernels
+    package loaded it (its name and version for a local build), or a package's name and version."""
+    top = module.__name__.partition(".")[0]
+    for loaded in getattr(sys.modules.get("kernels"), "get_loaded_kernels", list)():
+        if getattr(loaded.module, "__name__", None) == top:
+            info, metadata = loaded.repo_info, loaded.metadata
+            return (f"the Hub kernel {info.repo_id} at revision {info.revision} ({top})"
+                    if info else f"the Hub kernel {metadata.name} version {metadata.version}, a local build ({top})")
+    return f"{top} {getattr(sys.modules.get(top), '__version__', '')}".rstrip()
+
+
+def _load_flash(record):
+    """The flash interface Hugging Face's lazy import hands out for ``record``'s implementation, checked against the
+    families the stash knows; raises for one it cannot serve, naming what it lacks."""
+    from transformers import modeling_flash_attention_utils as flash_utils
+
+    name = record.name
+    what, where = (text.format(name=name) for text in record.requires)
     try:
-        from flash_attn import flash_attn_interface
-    except ImportError as error:
-        raise AttentionStashError(f'{_FEATURE} needs flash-attn 2 (the flash_attn package) for attn_implementation='
-                                  f'"flash_attention_2", got an import error: {error}. Install flash-attn 2, or load '
-                                  f'the model with attn_implementation="sdpa".') from error
-    names = ("flash_attn_func", "flash_attn_varlen_func", "_wrapped_flash_attn_forward",
-             "_wrapped_flash_attn_varlen_forward", "_wrapped_flash_attn_backward",
-             "_wrapped_flash_attn_varlen_backward")
-    missing = [name for name in names if not hasattr(flash_attn_interface, name)]
-    if missing:
-        raise AttentionStashError(f"{_FEATURE} needs flash-attn 2's interface as flash-attn 2.8 has it, got "
-                                  f"flash_attn {getattr(sys.modules.get('flash_attn'), '__version__', '?')} without "
-                                  f"{', '.join(missing)}. Install flash-attn 2.8, or load the model with "
-                                  f"attn_implementation=\"sdpa\".")
-    _flash_attn = flash_attn_interface
-    return flash_attn_interface
+        (function, varlen_function, *_), _ = flash_utils.lazy_import_flash_attention(name)
+        module = sys.modules[function.__module__]
+        parameters = set()
+        for candidate in (function, varlen_function):
+            parameters.update(inspect.signature(candidate).parameters)
+    except Exception as error:
+        kind = "an import error" if isinstance(error, ImportError) else f"an error ({type(error).__name__})"
+        raise AttentionStashError(
+            f'{_FEATURE} needs {what} ({where}) for attn_implementation="{name}", got {kind}: '
+            f'{error}. Install {what}, or load the model with attn_implementation="sdpa".') from error
+    parameters -= {"q", "k", "v"}
+    source = _source(module)
+    # The family whose functions take these parameters, else the one of which fewest are unknown.
+    family = min(_FLASH_FAMILIES, key=lambda family: len(parameters - family.parameters))
+    unknown = sorted(parameters - family.parameters)
+    prefix = next((prefix for prefix in family.prefixes if hasattr(module, prefix + family.functions[0])),
+                  family.prefixes[0])
+    names = [prefix + function for function in family.functions]
+    missing = [name for name in dict.fromkeys(names) if not callable(getattr(module, name, None))]
+    if unknown or missing:
+        got = f"{', '.join(unknown)} in its functions' parameters" if unknown else f"without {', '.join(missing)}"
+        raise AttentionStashError(f"{_FEATURE} needs {family.name}'s interface as {family.release} has it for "
+                                  f"attn_implementation=\"{name}\", got {source} ({module.__name__}) {got}. Install "
+                                  f"{family.release}, or load the model with attn_implementation=\"sdpa\".")
+    interface = _FlashInterface(family, f"{family.name}'s interface from {source}", function, varlen_function,
+                                family.ops(module, names, False), family.ops(module, names, True))
+    interface.calls = (partial(_flash_of_current_call, interface), partial(_flash_varlen_of_current_call, interface))
+    _FLASH_INTERFACES[name] = interface
+    return interface
 
 
-def _sdpa_layout(device, dtype, sequence_length, heads, key_heads, head_dim):
+def _flash_layout(record, *shapes):
+    """The ops whose layout a flash call keeps: its family's (head-dimension padding, log-sum-exp)."""
+    interface = _FLASH_INTERFACES.get(record.name)
+    return (interface or _load_flash(record)).ops
+
+
+def _sdpa_layout(record, device, dtype, sequence_length, heads, key_heads, head_dim):
     """The ops whose layout the stash keeps for an sdpa call of these shapes on ``device``: the backend PyTorch picks
     for them in training. Without a batch shape the backend is not known: cuDNN's layout, unpadded, stands for it."""
     if device is None:
@@ -914,16 +1069,22 @@ def _sdpa_layout(device, dtype, sequence_length, heads, key_heads, head_dim):
 class _Implementation:
     """An attention implementation the stash serves, under Hugging Face's ``name``: the kernel function its Hugging
     Face function ``calls``, in words; the attention modules' ``head_dim_name`` for the output's head dimension where
-    not ``head_dim``; ``copy``, ``check`` (imports its kernels) and ``layout`` (the ops whose layout a call keeps)."""
+    not ``head_dim``; ``copy``, ``load`` (imports and checks its kernels, once per install) and ``layout`` (the ops
+    whose layout a call keeps), each given the record; what it ``requires``, and from where, for the load's error."""
 
     name: str
     calls: str
     head_dim_name: str
     copy: object
-    check: object
+    load: object
     layout: object
+    requires: tuple = ()
+    # Whether Hugging Face registers the implementation's entry again, library-wide, at each load of its kernels (a Hub
+    # kernel's, when another flash implementation was loaded since): the stash's entry then goes in front of it.
+    registered_at_load: bool = False
 
 
+_FLASH_CALLS = "flash-attn's flash_attn_func or flash_attn_varlen_func"
 # Multi-head latent attention (DeepSeek) has a value head dimension of its own, the output's under sdpa; for
 # flash-attn, Hugging Face pads the value to the query's head dimension. flash_attn_varlen_func's layout keeps as many
 # bytes per token as flash_attn_func's.
@@ -931,11 +1092,27 @@ _IMPLEMENTATIONS = {
     record.name: record
     for record in [
         _Implementation("sdpa", "torch.nn.functional.scaled_dot_product_attention", "v_head_dim", _sdpa_copy,
-                        lambda: None, _sdpa_layout),
-        _Implementation("flash_attention_2", "flash-attn's flash_attn_func or flash_attn_varlen_func", "qk_head_dim",
-                        _flash_copy, _import_flash_attn, lambda *shapes: _FLASH_ATTN),
+                        lambda record: None, _sdpa_layout),
+        _Implementation("flash_attention_2", _FLASH_CALLS, "qk_head_dim", _flash_copy, _load_flash, _flash_layout, (
+            "flash-attn 2", "the flash_attn package")),
+        _Implementation("flash_attention_3", _FLASH_CALLS, "qk_head_dim", _flash_copy, _load_flash, _flash_layout, (
+            "flash-attn 3", "its flash_attn_interface module, from flash-attn's hopper/ build")),
     ]
 }
+# A Hub kernel that Hugging Face loads through the kernels package, under its repository's name (and @revision):
+# served where it has flash-attn 2's or 3's interface, with the same ops as their pip packages.
+_HUB_KERNEL = _Implementation(None, _FLASH_CALLS, "qk_head_dim", _flash_copy, _load_flash, _flash_layout,
+                              ("the Hub kernel {name}", "loaded by the kernels package"), True)
+_HUB_KERNEL_NAME = re.compile(r"[^/:@|\s]+/[^/:@|\s]+(@[^/:@|\s]+)?")
+
+
+def _implementation(name):
+    """The table's record of an implementation, a Hub kernel's made at its first sight; None for one not served."""
+    record = _IMPLEMENTATIONS.get(name)
+    if record is None and isinstance(name, str) and _HUB_KERNEL_NAME.fullmatch(name):
+        record = _IMPLEMENTATIONS.setdefault(name, dataclasses.replace(_HUB_KERNEL, name=name))
+    return record
+
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The hold on Hugging Face's objects: each stashed layer's checkpoint function, and each served implementation's entry.
@@ -956,21 +1133,31 @@ _ENTRIES = weakref.WeakKeyDictionary()
 @dataclass(slots=True, eq=False)
 class _Entry:
     """The stash's entry for one implementation: where the function that Hugging Face's lookups reach is held (a key of
-    a dictionary, described), the function it replaced there, the entry, and what the lookup returns with it in
-    place."""
+    a dictionary, described; where the entry shadows the key of a mapping ``behind`` it, that mapping), the function
+    it replaced there, the entry, and what the lookup returns with it in place."""
 
     dictionary: dict
     key: str
     description: str
+    behind: dict = None
     original: object = None
     entry: object = None
     front: object = None
 
     def function(self):
-        return self.dictionary.get(self.key)
+        function = self.dictionary.get(self.key)
+        return function if function is not None or self.behind is None else self.behind.get(self.key)
 
     def put(self, function):
         self.dictionary[self.key] = function
+
+    def restore(self):
+        """Undo the entry where it is still in place: the function it replaced back, or the shadowing key gone."""
+        if self.dictionary.get(self.key) is self.entry:
+            if self.behind is None:
+                self.put(self.original)
+            else:
+                del self.dictionary[self.key]
 
 
 @dataclass(slots=True, eq=False)
@@ -1066,7 +1253,7 @@ class _LayerStash:
         hold = _held.entries[implementation]
         if reached:
             raise AttentionStashError(f"{_FEATURE} needs the {implementation} attention function to call "
-                                      f"{_IMPLEMENTATIONS[implementation].calls} in each forward of {self.name}, got "
+                                      f"{_implementation(implementation).calls} in each forward of {self.name}, got "
                                       f"a forward in which {hold.original!r}, the function the stash serves, did not. "
                                       f"Remove the stash from this layer.")
         entry = _held.attention_functions.get(implementation)
@@ -1127,7 +1314,7 @@ def _stashing_entry(original, where, implementation):
     removal. Raises, before anything changes, for an ``original`` it cannot serve. Where a global the copy reads
     changes (a library's patch, ``mock.patch``), the next call copies again."""
     served = implementation.name
-    copy, sources = implementation.copy(original, where)
+    copy, sources = implementation.copy(implementation, original, where)
     watched = []
     for source in sources:
         names = [name for name in _names_read(source) if name in source.__globals__]
@@ -1149,7 +1336,7 @@ def _stashing_entry(original, where, implementation):
                     # A global deleted since: the copy's code then fails as the original's would.
                     now = None
                 if now != values:
-                    copy, values = implementation.copy(original, where)[0], now
+                    copy, values = implementation.copy(implementation, original, where)[0], now
                 return copy(module, *args, **kwargs)
             # The recompute of a forward that ran before its stash's removal: stock, as the removal promises.
             return original(module, *args, **kwargs)
@@ -1197,22 +1384,25 @@ def _ulysses_attention(function):
     return _wrapped_within(function, lambda candidate: isinstance(candidate, ulysses) and "attn" in vars(candidate))
 
 
-def _entry_place(attention_functions, implementation):
+def _entry_place(attention_functions, record):
     """An _Entry for where the stash's entry goes: the implementation's key in the mapping Hugging Face's lookups read
     (the interface's local one where it has the key, else the library-wide one), as a later registration would replace
-    it; behind the wrapper of DeepSpeed's Ulysses sequence parallelism there, the core function it calls."""
+    it; in front of the library-wide one, in the local one, for an implementation that Hugging Face registers again at
+    each load of its kernel there; behind the wrapper of DeepSpeed's Ulysses sequence parallelism there, the core
+    function it calls."""
+    implementation = record.name
     local = getattr(attention_functions, "_local_mapping", None)
     shared = getattr(type(attention_functions), "_global_mapping", None)
     if isinstance(local, dict) and isinstance(shared, dict) and implementation not in local:
-        mapping = shared
+        mapping, behind = (local, shared) if record.registered_at_load else (shared, None)
     else:
-        mapping = local if isinstance(local, dict) else attention_functions
-    ulysses = _ulysses_attention(mapping[implementation])
+        mapping, behind = (local if isinstance(local, dict) else attention_functions), None
+    ulysses = _ulysses_attention(attention_functions.get(implementation))
     if ulysses is not None:
         return _Entry(
             vars(ulysses), "attn", f"the core attention function of DeepSpeed's Ulysses sequence parallelism "
             f"(UlyssesSPAttentionHF.attn, behind {_INTERFACE}[\"{implementation}\"])")
-    return _Entry(mapping, implementation, f"{_INTERFACE}[\"{implementation}\"]")
+    return _Entry(mapping, implementation, f"{_INTERFACE}[\"{implementation}\"]", behind)
 
 
 def _class_defining(cls, name):
@@ -1226,7 +1416,7 @@ def _take_hold(layer_class, attention_functions, implementation):
     global _held
     if _held is not None and implementation.name in _held.entries:
         return
-    entry = _entry_place(attention_functions, implementation.name)
+    entry = _entry_place(attention_functions, implementation)
     current = entry.function()
     # The entry of an earlier install that a library wrapped (or wrote back) serves again: the lookups reach it.
     earlier = _wrapped_within(current, _ENTRIES.__contains__)
@@ -1254,8 +1444,7 @@ def _let_go():
         return
     _held = None
     for entry in hold.entries.values():
-        if entry.function() is entry.entry:
-            entry.put(entry.original)
+        entry.restore()
     if hold.layer_class.__dict__.get(_CHECKPOINT_FUNCTION) is _SLOT:
         if hold.class_attribute is _MISSING:
             delattr(hold.layer_class, _CHECKPOINT_FUNCTION)
@@ -1383,14 +1572,14 @@ class _LayerPlan:
 
     def served(self, model):
         """The implementation's record; raises for one the stash does not serve."""
-        record = _IMPLEMENTATIONS.get(self.implementation)
+        record = _implementation(self.implementation)
         if record is None:
-            served = " or ".join(f'"{name}"' for name in _IMPLEMENTATIONS)
-            raise AttentionStashError(f'{_FEATURE} needs a Hugging Face model with attn_implementation {served}, got '
-                                      f'{self.implementation!r} on {type(model).__name__} ({self.name}). Load it '
-                                      f'with from_pretrained(..., attn_implementation="sdpa") or "flash_attention_2" '
-                                      f'(flash-attn 2), and pass the model itself (engine.module of a DeepSpeed '
-                                      f'engine).')
+            raise AttentionStashError(f'{_FEATURE} needs a Hugging Face model with attn_implementation "sdpa", '
+                                      f'"flash_attention_2", "flash_attention_3" or a Hub kernel with flash-attn\'s '
+                                      f'interface ("kernels-community/flash-attn2"), got {self.implementation!r} on '
+                                      f'{type(model).__name__} ({self.name}). Load it with from_pretrained(..., '
+                                      f'attn_implementation="sdpa") or one of the others, and pass the model itself '
+                                      f'(engine.module of a DeepSpeed engine).')
         return record
 
     def geometry(self):
@@ -1412,7 +1601,7 @@ def _plan(name, layer, modules, model):
     config = next(config for config in configs
                   if isinstance(getattr(config, "_attn_implementation", None), str) or config is configs[-1])
     implementation = getattr(config, "_attn_implementation", None)
-    head_dim_names = (_IMPLEMENTATIONS.get(implementation, _IMPLEMENTATIONS["sdpa"]).head_dim_name, "head_dim")
+    head_dim_names = ((_implementation(implementation) or _IMPLEMENTATIONS["sdpa"]).head_dim_name, "head_dim")
     calls = []
     for module in modules:
         geometry = _attention_geometry(module, head_dim_names)
@@ -1532,7 +1721,7 @@ def _layer_bytes(model, micro_batch_size, sequence_length, dtype, device, ranks,
             heads, key_heads = _rank_heads(heads, key_heads, ranks)
             key = (record, heads, key_heads, head_dim)
             if key not in layouts:
-                layouts[key] = record.layout(device, dtype, sequence_length, heads, key_heads, head_dim)
+                layouts[key] = record.layout(record, device, dtype, sequence_length, heads, key_heads, head_dim)
             nbytes += layouts[key].kept_bytes(micro_batch_size, heads, sequence_length, head_dim, dtype)
         yield plan, nbytes
 
@@ -1580,7 +1769,9 @@ def _install_message(model, chosen, records, plans, others, sizes, micro_batch_s
     """The install's log line: what is stashed, at what cost (the planner's words where it cannot tell), what is left
     out and why, the checkpoint mode and the implementations (``records``, the chosen layers'). It never raises."""
     dtype = _model_dtype(model)
-    served = " and ".join(f'"{name}"' for name in dict.fromkeys(record.name for record in records))
+    served = " and ".join(f'"{name}"' +
+                          (f" ({_FLASH_INTERFACES[name].description})" if name in _FLASH_INTERFACES else "")
+                          for name in dict.fromkeys(record.name for record in records))
     count, how = ranks
     per_rank = (f" on each rank of Ulysses sequence parallelism over {count} ranks ({how}): its share of the heads "
                 f"over the whole sequence" if count > 1 else "")
@@ -1593,7 +1784,7 @@ def _install_message(model, chosen, records, plans, others, sizes, micro_batch_s
             for plan, record in zip(chosen, records):
                 for heads, key_heads, head_dim in plan.geometry():
                     heads = _rank_heads(heads, key_heads, count)[0]
-                    ops = record.layout(None, dtype, None, heads, key_heads, head_dim)
+                    ops = record.layout(record, None, dtype, None, heads, key_heads, head_dim)
                     per_token += ops.kept_bytes(1, heads, 1, head_dim, dtype)
             cost = (f"{per_token:,} bytes per token of each micro-batch in flight in {dtype}{per_rank} (give "
                     f"micro_batch_size and sequence_length for the exact figure)")
@@ -1705,8 +1896,9 @@ def install_attention_stash(model: torch.nn.Module,
                             sequence_parallel_size: int = None) -> AttentionStashHandle:
     """Keep the attention output of the last ``num_layers`` decoder layers for their checkpoint recompute.
 
-    ``model`` is a Hugging Face model loaded with ``attn_implementation="sdpa"`` or ``"flash_attention_2"`` (each layer
-    as its attention modules' config says) and trained with per-layer activation checkpointing, reentrant or not. In
+    ``model`` is a Hugging Face model loaded with ``attn_implementation="sdpa"``, ``"flash_attention_2"``,
+    ``"flash_attention_3"`` or a Hub kernel with flash-attn's interface (``"kernels-community/flash-attn2"``), each layer
+    as its attention modules' config says, and trained with per-layer activation checkpointing, reentrant or not. In
     each checkpointed call of a stashed layer, the first pass runs the kernel F.scaled_dot_product_attention (or
     flash-attn's autograd function) would run and keeps its output and log-sum-exp; the recompute returns them from
     the stash's autograd node, whose backward is the kernel's, and skips the attention forward. What a call keeps is
@@ -1763,7 +1955,7 @@ def install_attention_stash(model: torch.nn.Module,
         sizes = list(planned(chosen))
     records = [plan.served(model) for plan in chosen]
     for record in dict.fromkeys(records):
-        record.check()
+        record.load(record)
     for plan in chosen:
         if _class_defining(type(plan.layer), _CHECKPOINT_FUNCTION) not in (None, layer_class):
             raise AttentionStashError(f"{_FEATURE} needs {plan.name} to keep its checkpoint function per instance, "

@@ -2,8 +2,10 @@
 
 # DeepSpeed Team
 """Run by test_attention_stash_ulysses_flash.py under torchrun with two ranks over gloo: the stash under DeepSpeed's
-Ulysses sequence parallelism (ALST, UlyssesSPAttentionHF.register_with_transformers with core "flash_attention_2"),
-on flash-attn 2's Python layer over the CPU stand-in kernels of attention_stash_flash.py.
+Ulysses sequence parallelism (ALST, UlyssesSPAttentionHF.register_with_transformers) with the flash implementation
+given as the second argument as its core: "flash_attention_2" (flash-attn 2's Python layer), "flash_attention_3"
+(flash-attn 3's) or "kernels-community/flash-attn2" (a local Hub kernel), over the CPU stand-in kernels of
+attention_stash_flash.py and attention_stash_flash3.py.
 
 For each checkpoint mode and each batch kind, a tiny Llama trains one step on each rank's shard with ALST alone, which
 is the reference; then with the stash on all its layers, installed before ALST registers and with ALST registered
@@ -23,12 +25,13 @@ sys.path.insert(0, os.path.join(HERE, "..", "..", ".."))  # tests/: conftest imp
 
 import conftest  # noqa: E402,F401
 import deepspeed  # noqa: E402
+import pytest  # noqa: E402
 import torch  # noqa: E402
-import transformers.modeling_flash_attention_utils as flash_utils  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: E402
 
-from attention_stash_flash import import_flash_attn, register_cpu_kernels  # noqa: E402
+from attention_stash_flash import use_flash_attention_2  # noqa: E402
+from attention_stash_flash3 import use_flash_attention_3, use_hub_kernel  # noqa: E402
 from attention_stash_helpers import NUM_LAYERS, assert_stock_process, batch_ids, checkpointed  # noqa: E402
 from attention_stash_helpers import llama_model, param_grads  # noqa: E402
 from deepspeed.runtime.activation_checkpointing import attention_stash  # noqa: E402
@@ -36,13 +39,26 @@ from deepspeed.runtime.sequence_parallel import parallel_state_sp as mpu  # noqa
 from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF  # noqa: E402
 
 RANKS = 2
-FLASH = "flash_attention_2"
+FLASH = sys.argv[2]
 # The whole sequence; each rank trains its half.
 SEQUENCE = 32
 # The packed batch's documents, of 10 and 22 tokens: rank 0's shard holds the boundary.
 DOCUMENTS = (10, 22)
-# flash-attn's forward ops, by the batch kind that runs them.
-FORWARD_OPS = {"_flash_attn_forward": "dense", "_flash_attn_varlen_forward": "varlen"}
+
+
+def forward_op(func, args):
+    """(batch kind, the query's cu_seqlens) of a forward op of flash-attn 2, flash-attn 3 or the Hub kernel; None for
+    any other op."""
+    namespace, _, name = func.overloadpacket._qualified_op_name.partition("::")
+    if namespace == "flash_attn" and name in ("_flash_attn_forward", "_flash_attn_varlen_forward"):
+        cu_seqlens = args[3] if "varlen" in name else None
+    elif namespace == "flash_attn_3" and name == "fwd":
+        cu_seqlens = args[7] if len(args) > 7 else None
+    elif namespace.startswith("_flash_attn2_") and name in ("fwd", "varlen_fwd"):
+        cu_seqlens = args[4] if name == "varlen_fwd" else None
+    else:
+        return None
+    return ("dense", None) if cu_seqlens is None else ("varlen", cu_seqlens)
 
 
 def batches():
@@ -63,19 +79,25 @@ class FlashForwardCalls(TorchDispatchMode):
         self.cu_seqlens = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        namespace, _, name = func.overloadpacket._qualified_op_name.partition("::")
-        if namespace == "flash_attn" and name in FORWARD_OPS:
-            self.calls[FORWARD_OPS[name]] += 1
-            if FORWARD_OPS[name] == "varlen":
-                self.cu_seqlens.append(args[3].tolist())
+        found = forward_op(func, args)
+        if found is not None:
+            kind, cu_seqlens = found
+            self.calls[kind] += 1
+            if cu_seqlens is not None:
+                self.cu_seqlens.append(cu_seqlens.tolist())
         return func(*args, **(kwargs or {}))
 
 
-def use_flash_attention_2():
-    """What use_flash_attention_2 does under pytest, for the rest of this process."""
-    import_flash_attn()
-    register_cpu_kernels()
-    flash_utils.is_flash_attn_2_available = lambda *args, **kwargs: True
+def use_flash(folder, rank):
+    """What the tests' fixtures do for FLASH under pytest, for the rest of this process (each rank builds its own copy
+    of the Hub kernel)."""
+    monkeypatch = pytest.MonkeyPatch()
+    if FLASH == "flash_attention_2":
+        use_flash_attention_2(monkeypatch)
+    elif FLASH == "flash_attention_3":
+        use_flash_attention_3(monkeypatch)
+    else:
+        use_hub_kernel(monkeypatch, os.path.join(folder, f"kernel{rank}"), FLASH)
 
 
 def flash_llama(use_reentrant):
@@ -93,8 +115,8 @@ def register_alst(model, micro_batch):
 
 
 def unregister_alst():
-    """Back to transformers' own flash_attention_2 entry (ALST's registration writes the interface's local mapping)
-    and no sequence-parallel groups, for the next registration."""
+    """Back to transformers' own entry (ALST's registration writes the interface's local mapping) and no
+    sequence-parallel groups, for the next registration."""
     ALL_ATTENTION_FUNCTIONS._local_mapping.pop(FLASH, None)
     mpu._release_sequence_parallel_groups()
     assert_stock_process()
@@ -159,9 +181,9 @@ def cases(rank, use_reentrant, kind, batch, report):
 
 
 def main():
-    use_flash_attention_2()
     deepspeed.init_distributed("gloo")
     rank = torch.distributed.get_rank()
+    use_flash(sys.argv[1], rank)
     report = {"rank": rank}
     for use_reentrant in (True, False):
         for kind, batch in batches().items():

@@ -335,8 +335,9 @@ def test_head_dim_padding_for_kernels_that_need_it(install, monkeypatch):
 
 def test_rejects_other_attention_implementations():
     with pytest.raises(RuntimeError,
-                       match='needs a Hugging Face model with attn_implementation "sdpa" or "flash_attention_2", got '
-                       '\'eager\' on MixtralForCausalLM'):
+                       match='needs a Hugging Face model with attn_implementation "sdpa", "flash_attention_2", '
+                       '"flash_attention_3" or a Hub kernel with flash-attn\'s interface \\("kernels-community/flash-attn2"'
+                       '\\), got \'eager\' on MixtralForCausalLM'):
         install_attention_stash(mixtral_model(attn_implementation="eager"), 1)
 
 
@@ -563,7 +564,7 @@ def _refuse_a_plan_without_geometry(model, monkeypatch):
     (lambda model, _: install_attention_stash(model, NUM_LAYERS + 1), "needs num_layers from 1 to the model's"),
     (lambda model, _: install_attention_stash(model, memory_budget=1, micro_batch_size=2, sequence_length=32),
      "needs a memory_budget of at least one layer's"),
-    (_refuse_other_implementation, 'needs a Hugging Face model with attn_implementation "sdpa" or'),
+    (_refuse_other_implementation, 'needs a Hugging Face model with attn_implementation "sdpa", "flash_attention_2"'),
     (_refuse_a_class_attribute, "needs model.layers.2 to keep its checkpoint function per instance"),
     (_refuse_an_unservable_sdpa_entry, "needs Hugging Face's sdpa attention function"),
     (_refuse_a_plan_without_geometry, "needs the head count and head dimension of MixtralAttention"),

@@ -173,9 +173,9 @@ def test_install_and_remove_from_many_threads(monkeypatch):
     first install's hold widens the window in which an unguarded second install would save the wrapper as stock."""
     sdpa = attention_stash._IMPLEMENTATIONS["sdpa"]
 
-    def slow_copy(function, where):
+    def slow_copy(record, function, where):
         time.sleep(0.05)
-        return sdpa.copy(function, where)
+        return sdpa.copy(record, function, where)
 
     monkeypatch.setitem(attention_stash._IMPLEMENTATIONS, "sdpa", dataclasses.replace(sdpa, copy=slow_copy))
     threads, rounds = 6, 3

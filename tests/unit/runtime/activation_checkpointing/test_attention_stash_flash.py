@@ -28,6 +28,8 @@ from attention_stash_helpers import (QWEN3_NEXT_HYBRID, assert_same_grads, asser
                                      param_grads, qwen3_moe_model)
 
 FLASH_ATTN = flash_attn_or_skip()
+# What the install line says the flash_attention_2 installs serve.
+SOURCE = f"flash-attn 2's interface from flash_attn {sys.modules['flash_attn'].__version__}"
 
 MODES = pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non_reentrant"])
 DTYPE = torch.bfloat16
@@ -229,7 +231,8 @@ def test_a_flash_model_installs_with_its_cost(install, flash, use_reentrant):
     per_layer = 2 * 32 * 4 * (40 * 2 + 4)
     assert any(f"keeping the attention output of 2 of 3 attention layers (model.layers.1 to model.layers.2) for "
                f"their recompute: {2 * per_layer:,} bytes per micro-batch in flight" in message
-               and message.endswith('; attn_implementation "flash_attention_2".') for message in messages), messages
+               and message.endswith(f'; attn_implementation "flash_attention_2" ({SOURCE}).')
+               for message in messages), messages
     assert attention_stash.attention_stash_layers_for_budget(model, 2 * per_layer, 2, 32) == 2
 
 
@@ -328,6 +331,11 @@ def test_a_softcap_tensor_is_refused(install, flash, requires_grad):
         model(**make_batch("plain")[0], softcap=softcap)
 
 
+def _interface():
+    """The flash interface the latest flash_attention_2 install found."""
+    return attention_stash._FLASH_INTERFACES["flash_attention_2"]
+
+
 def _call_of_a_stashed_layer(install):
     """A checkpoint call of a stashed flash layer, in its first pass, for the guards Hugging Face's path never
     reaches."""
@@ -341,7 +349,7 @@ def _call_of_a_stashed_layer(install):
 @pytest.mark.parametrize("argument,message", [
     (lambda: dict(alibi_slopes=torch.ones(4, requires_grad=True)), r"needs ALiBi slopes that do not require grad"),
     (lambda: dict(return_attn_probs=True), r"got return_attn_probs=True"),
-    (lambda: dict(block_table=torch.zeros(2, 1, dtype=torch.int32)), r"got a block_table"),
+    (lambda: dict(block_table=torch.zeros(2, 1, dtype=torch.int32)), r"got block_table=tensor"),
     (lambda: dict(dropout_p=0.5), r"needs attention dropout 0"),
 ],
                          ids=["learned_alibi", "return_attn_probs", "block_table", "dropout"])
@@ -358,7 +366,7 @@ def test_flash_arguments_the_replay_cannot_reproduce_are_refused(install, flash,
                      return_attn_probs=False,
                      block_table=None)
     with pytest.raises(RuntimeError, match=message):
-        call.flash(query, query, query, attention_stash._FlashArguments(**{**arguments, **argument()}))
+        call.flash(_interface(), query, query, query, attention_stash._FlashArguments(**{**arguments, **argument()}))
     assert call.kept == []
 
 
@@ -369,7 +377,8 @@ def test_alibi_slopes_that_need_no_grad_are_served(install, flash):
     slopes = torch.ones(4)
     with pytest.raises(NotImplementedError, match="has no ALiBi slopes"):
         # The CPU stand-in kernels have no ALiBi: the stash got as far as the kernel call.
-        call.flash(query, query, query, attention_stash._FlashArguments(causal=True, alibi_slopes=slopes))
+        call.flash(_interface(), query, query, query, attention_stash._FlashArguments(causal=True,
+                                                                                      alibi_slopes=slopes))
 
 
 def test_other_flash_functions_are_refused(install, flash, monkeypatch):
@@ -385,19 +394,20 @@ def test_other_flash_functions_are_refused(install, flash, monkeypatch):
     def other_lazy_imports(*args, **kwargs):
         return (other_flash_attn_func, *lazy_imports(*args, **kwargs)[1:])
 
-    monkeypatch.setattr(flash_utils, "_lazy_imports", other_lazy_imports)
     model = flash_model("llama")
     install(model, 1)
+    # After the install, which found flash-attn 2's: Hugging Face's next lazy import hands out the other one.
+    monkeypatch.setattr(flash_utils, "_lazy_imports", other_lazy_imports)
+    monkeypatch.setattr(flash_utils, "_loaded_implementation", None)
     with pytest.raises(RuntimeError,
                        match=r"needs Hugging Face's flash_attention_2 to call flash-attn 2's flash_attn_func and "
-                       r"flash_attn_varlen_func, whose kernels it replays, got <function "
-                       r".*other_flash_attn_func"):
+                       r"flash_attn_varlen_func, whose kernels it replays, as the install found them \(flash-attn 2's "
+                       r"interface from flash_attn 2\.8\.3\), got <function .*other_flash_attn_func"):
         model(**make_batch("plain")[0])
 
 
 def test_an_install_without_flash_attn_is_refused(flash, monkeypatch):
     model = flash_model("llama")
-    monkeypatch.setattr(attention_stash, "_flash_attn", None)
     monkeypatch.setitem(sys.modules, "flash_attn", None)
     with pytest.raises(RuntimeError,
                        match=r'needs flash-attn 2 \(the flash_attn package\) for attn_implementation='
@@ -409,11 +419,11 @@ def test_an_install_without_flash_attn_is_refused(flash, monkeypatch):
 
 def test_a_flash_attn_without_the_entry_points_the_stash_calls_is_refused(flash, monkeypatch):
     model = flash_model("llama")
-    monkeypatch.setattr(attention_stash, "_flash_attn", None)
     monkeypatch.delattr(FLASH_ATTN, "_wrapped_flash_attn_varlen_backward")
     with pytest.raises(RuntimeError,
-                       match=r"needs flash-attn 2's interface as flash-attn 2\.8 has it, got flash_attn 2\.8\.3 "
-                       r"without _wrapped_flash_attn_varlen_backward\. Install flash-attn 2\.8"):
+                       match=r"needs flash-attn 2's interface as flash-attn 2\.8 has it for attn_implementation="
+                       r"\"flash_attention_2\", got flash_attn 2\.8\.3 \(flash_attn\.flash_attn_interface\) without "
+                       r"_wrapped_flash_attn_varlen_backward\. Install flash-attn 2\.8"):
         attention_stash.install_attention_stash(model, 1)
     assert attention_stash._held is None
 
@@ -509,6 +519,37 @@ def _meta_live_tensors(model):
             META_SEQUENCE in obj.shape or META_BATCH * META_SEQUENCE in obj.shape))
 
 
+def meta_step(model, handle, packed, counter, calls):
+    """One step of the decoder layers on meta tensors in bfloat16, called as the model calls them, counted by
+    ``counter`` (returned): ``calls`` attention calls kept, as the planner counts their bytes, then served; every
+    layer parameter gets a gradient of its shape and dtype."""
+    batch, sequence = (1, META_BATCH * META_SEQUENCE) if packed else (META_BATCH, META_SEQUENCE)
+    inputs = torch.empty(batch, sequence, model.config.hidden_size, device="meta", dtype=DTYPE, requires_grad=True)
+    embeddings = model.model.rotary_emb(inputs, torch.arange(sequence, device="meta").unsqueeze(0))
+    varlen = {}
+    if packed:
+        cu_seq_lens = torch.empty(META_BATCH + 1, device="meta", dtype=torch.int32)
+        varlen = dict(cu_seq_lens_q=cu_seq_lens,
+                      cu_seq_lens_k=cu_seq_lens,
+                      max_length_q=META_SEQUENCE,
+                      max_length_k=META_SEQUENCE)
+    hidden = inputs
+    with counter:
+        for layer in model.model.layers:
+            hidden = layer(hidden, attention_mask=None, position_embeddings=embeddings, position_ids=None, **varlen)
+            hidden = hidden[0] if isinstance(hidden, tuple) else hidden
+        planned = attention_stash.attention_stash_layer_bytes(model, batch, sequence)
+        assert (handle.num_kept, handle.kept_bytes) == (calls, calls * planned)
+        hidden.sum().backward()
+    assert (handle.recomputes_served, handle.num_kept, handle.kept_bytes) == (calls, 0, 0)
+    assert inputs.grad is not None and inputs.grad.shape == inputs.shape
+    for param_name, param in model.named_parameters():
+        if param_name.startswith("model.layers."):
+            assert param.grad is not None, param_name
+            assert (param.grad.shape, param.grad.dtype) == (param.shape, param.dtype), param_name
+    return counter
+
+
 @MODES
 @pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
 @pytest.mark.parametrize("name", MODELS)
@@ -523,33 +564,9 @@ def test_a_flash_step_on_meta(install, flash, name, packed, use_reentrant):
     _, layers, calls_per_layer = MODELS[name]
     calls = layers * calls_per_layer
     handle = install(model, layers)
-    batch, sequence = (1, META_BATCH * META_SEQUENCE) if packed else (META_BATCH, META_SEQUENCE)
-    inputs = torch.empty(batch, sequence, model.config.hidden_size, device="meta", dtype=DTYPE, requires_grad=True)
-    embeddings = model.model.rotary_emb(inputs, torch.arange(sequence, device="meta").unsqueeze(0))
-    varlen = {}
-    if packed:
-        cu_seq_lens = torch.empty(META_BATCH + 1, device="meta", dtype=torch.int32)
-        varlen = dict(cu_seq_lens_q=cu_seq_lens,
-                      cu_seq_lens_k=cu_seq_lens,
-                      max_length_q=META_SEQUENCE,
-                      max_length_k=META_SEQUENCE)
-    hidden = inputs
-    with CountFlashOps() as counter:
-        for layer in model.model.layers:
-            hidden = layer(hidden, attention_mask=None, position_embeddings=embeddings, position_ids=None, **varlen)
-            hidden = hidden[0] if isinstance(hidden, tuple) else hidden
-        planned = attention_stash.attention_stash_layer_bytes(model, batch, sequence)
-        assert (handle.num_kept, handle.kept_bytes) == (calls, calls * planned)
-        hidden.sum().backward()
+    counter = meta_step(model, handle, packed, CountFlashOps(), calls)
     infix = "varlen_" if packed else ""
     assert counter.calls == {f"_flash_attn_{infix}forward": calls, f"_flash_attn_{infix}backward": calls}
-    assert (handle.recomputes_served, handle.num_kept, handle.kept_bytes) == (calls, 0, 0)
-    assert inputs.grad is not None and inputs.grad.shape == inputs.shape
-    for param_name, param in model.named_parameters():
-        if param_name.startswith("model.layers."):
-            assert param.grad is not None, param_name
-            assert (param.grad.shape, param.grad.dtype) == (param.shape, param.dtype), param_name
-    del hidden, inputs, embeddings, varlen
     assert _meta_live_tensors(model) == [] and live_checkpoint_calls() == []
 
 
@@ -558,7 +575,7 @@ def test_the_meta_layout_is_flash_attns(flash):
     flash-attn 2.8's fake kernels return, in layout and dtype, and what the planner counts."""
     query = torch.empty(2, 72, 4, 40, device="meta", dtype=DTYPE)
     key = torch.empty(2, 72, 2, 40, device="meta", dtype=DTYPE)
-    ops = attention_stash._FLASH_ATTN
+    ops = attention_stash._load_flash(attention_stash._implementation("flash_attention_2")).ops
     output, (lse, rng_state), scalars = ops.kernel(query, key, key, None,
                                                    attention_stash._FlashArguments(0.0, 36**-0.5))
     assert output.shape == (2, 72, 4, 40) and scalars == ()
@@ -610,7 +627,7 @@ def test_each_layer_is_served_with_its_own_config_s_implementation(install, flas
         handle = install(model, layers)
     implementations = Counter((stash.name.split(".")[1], stash.implementation) for stash in handle._stashes)
     assert implementations == {("vision_tower", "sdpa"): 2, ("language_model", "flash_attention_2"): 3}
-    assert messages[-1].endswith('; attn_implementation "sdpa" and "flash_attention_2".'), messages
+    assert messages[-1].endswith(f'; attn_implementation "sdpa" and "flash_attention_2" ({SOURCE}).'), messages
     loss, grads, calls = counted_step(model, inputs)
     assert stock_calls["_flash_attn_forward"] == 6 and calls["_flash_attn_forward"] == 3
     assert (handle.recomputes_served, handle.num_kept) == (layers, 0)
@@ -851,8 +868,8 @@ def test_a_flash_call_under_a_torch_func_transform_is_refused(install, flash):
     with pytest.raises(RuntimeError,
                        match=r"needs the training forwards of model\.layers\.2 to run under autograd "
                        r"alone, got a torch\.func transform"):
-        torch.func.grad(lambda query: call.flash(query, query, query, attention_stash._FlashArguments(causal=True)).
-                        float().sum())(query)
+        torch.func.grad(lambda query: call.flash(_interface(), query, query, query,
+                                                 attention_stash._FlashArguments(causal=True)).float().sum())(query)
     assert call.kept == []
 
 

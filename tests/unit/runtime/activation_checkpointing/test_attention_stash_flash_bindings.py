@@ -1,46 +1,65 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""The stash's flash-attn kernel calls, bound against flash-attn's own autograd functions, on CPU.
+"""The stash's flash-attn 2 kernel calls, bound against flash-attn's own autograd functions, on CPU: flash-attn's
+package's and a Hub build's (test_attention_stash_flash_kernels.py binds flash-attn 3's).
 
 The stash calls flash-attn's forward kernel op as FlashAttnFunc (FlashAttnVarlenFunc) calls it, and its recompute node
 saves what that function saves and calls flash-attn's backward op as that function's backward does. Here recorders
-stand in for flash-attn's kernel ops (``flash_attn_interface._wrapped_flash_attn_*``, through which flash-attn's
-functions call them), returning sentinels of distinct values; flash-attn's function and the stash run on the same
+stand in for flash-attn's kernel functions (``flash_attn_interface._wrapped_flash_attn_*`` in the package, the same
+without "_wrapped" in a Hub build, through which flash-attn's functions call its ops), returning sentinels of distinct values; flash-attn's function and the stash run on the same
 inputs, and every argument of every kernel call, and every saved tensor, is compared position by position. The
 arguments that share a type get distinct values (cu_seqlens_q and cu_seqlens_k, the max lengths, the two window
 sizes), so that a swap of two of them fails here, as the planted swap below shows.
 """
 
 import dataclasses
+import sys
 
 import pytest
 import torch
 
 from deepspeed.runtime.activation_checkpointing import attention_stash
 
-from attention_stash_flash import flash_attn_or_skip
+from attention_stash_flash import flash_attn_or_skip, use_flash_attention_2
+from attention_stash_flash3 import flash_kernels_or_skip, use_hub_kernel
 from attention_stash_helpers import bare_call
 
 FLASH_ATTN = flash_attn_or_skip()
-# What the stash's install of a flash_attention_2 model does: import and check flash-attn's interface.
-assert attention_stash._import_flash_attn() is FLASH_ATTN
-
-KERNELS = ("_wrapped_flash_attn_forward", "_wrapped_flash_attn_varlen_forward", "_wrapped_flash_attn_backward",
-           "_wrapped_flash_attn_varlen_backward")
+FAMILY = attention_stash._FLASH_FAMILIES[0]
+FLASH_ATTN_VERSION = __import__("flash_attn").__version__
+# The kernel functions flash-attn 2.8's autograd functions call, which the stash's install finds (checked below); a Hub
+# build's call the same functions without the prefix "_wrapped".
+NAMES = [f"_wrapped_flash_attn_{function}" for function in FAMILY.functions]
 HEADS, KEY_HEADS = 4, 2
 CU_SEQLENS_Q = (0, 3, 8)
 CU_SEQLENS_K = (0, 4, 8)
 
 
-class Recorder:
-    """Stands in for flash-attn's kernel ops: records each call's arguments; a forward returns sentinels of distinct
-    values (padded output, log-sum-exp, an empty S_dmask, rng_state), a backward fills dq, dk and dv."""
+@pytest.fixture(params=["flash_attn", "hub_kernel"])
+def interface(request, monkeypatch, tmp_path_factory):
+    """flash-attn 2's interface module as the install finds it: flash-attn's package's, or a Hub build's."""
+    if request.param == "flash_attn":
+        use_flash_attention_2(monkeypatch)
+        implementation = "flash_attention_2"
+    else:
+        flash_kernels_or_skip()
+        use_hub_kernel(monkeypatch, tmp_path_factory, "kernels-community/flash-attn2")
+        implementation = "kernels-community/flash-attn2"
+    return attention_stash._load_flash(attention_stash._implementation(implementation))
 
-    def __init__(self, monkeypatch):
+
+class Recorder:
+    """Stands in for flash-attn's kernel functions in ``interface``'s module: records each call's arguments; a forward
+    returns sentinels of distinct values (padded output, log-sum-exp, an empty S_dmask, rng_state), a backward fills
+    dq, dk and dv."""
+
+    def __init__(self, monkeypatch, interface):
         self.calls = []
-        for name in KERNELS:
-            monkeypatch.setattr(FLASH_ATTN, name, self._kernel(name))
+        self.module = sys.modules[interface.function.__module__]
+        for ops in (interface.ops, interface.varlen_ops):
+            for name in (ops.op, ops.op.replace("forward", "backward")):
+                monkeypatch.setattr(self.module, name, self._kernel(name))
 
     def _kernel(self, name):
 
@@ -84,15 +103,15 @@ def _theirs(recorder, varlen, query, key, value, arguments, grad):
     with torch.autograd.graph.saved_tensors_hooks(lambda tensor: saved.append(tensor) or tensor,
                                                   lambda tensor: tensor):
         if varlen:
-            out = FLASH_ATTN.FlashAttnVarlenFunc.apply(
+            out = recorder.module.FlashAttnVarlenFunc.apply(
                 query, key, value, arguments.cu_seqlens_q, arguments.cu_seqlens_k, arguments.max_seqlen_q,
                 arguments.max_seqlen_k, arguments.dropout_p, arguments.softmax_scale, arguments.causal,
                 arguments.window_size, arguments.softcap, arguments.alibi_slopes, arguments.deterministic, False, None,
                 True)
         else:
-            out = FLASH_ATTN.FlashAttnFunc.apply(query, key, value, arguments.dropout_p, arguments.softmax_scale,
-                                                 arguments.causal, arguments.window_size, arguments.softcap,
-                                                 arguments.alibi_slopes, arguments.deterministic, False, True)
+            out = recorder.module.FlashAttnFunc.apply(query, key, value, arguments.dropout_p, arguments.softmax_scale,
+                                                      arguments.causal, arguments.window_size, arguments.softcap,
+                                                      arguments.alibi_slopes, arguments.deterministic, False, True)
     grads = torch.autograd.grad(out, (query, key, value), grad)
     return out, saved, grads, recorder.calls[:]
 
@@ -136,14 +155,13 @@ def _assert_same_calls(ours, theirs):
 
 
 @pytest.mark.parametrize("head_dim", [16, 36], ids=["head_dim_16", "head_dim_36_padded"])
-@pytest.mark.parametrize("ops", [attention_stash._FLASH_ATTN, attention_stash._FLASH_ATTN_VARLEN],
-                         ids=["flash_attn_func", "flash_attn_varlen_func"])
-def test_kernel_calls_and_saves_follow_flash_attns_functions(monkeypatch, ops, head_dim):
+@pytest.mark.parametrize("varlen", [False, True], ids=["flash_attn_func", "flash_attn_varlen_func"])
+def test_kernel_calls_and_saves_follow_flash_attns_functions(monkeypatch, interface, varlen, head_dim):
     """The stash's forward and backward kernel calls are flash-attn's, argument for argument; its node saves what
     flash-attn's function saves, in its order (under non-reentrant checkpointing they fill that function's node);
-    and its output and gradients are flash-attn's."""
-    varlen = ops is attention_stash._FLASH_ATTN_VARLEN
-    recorder = Recorder(monkeypatch)
+    and its output and gradients are flash-attn's. For flash-attn's package and a Hub build of it alike."""
+    ops = interface.varlen_ops if varlen else interface.ops
+    recorder = Recorder(monkeypatch, interface)
     arguments = _arguments(varlen, head_dim)
     query, key, value = _inputs(varlen, head_dim)
     grad = torch.randn(query.shape, generator=torch.Generator().manual_seed(4))
@@ -163,8 +181,10 @@ def test_kernel_calls_and_saves_follow_flash_attns_functions(monkeypatch, ops, h
 def test_a_planted_swap_is_caught(monkeypatch):
     """A backward that passes the two window sizes swapped (both ints, the same for a symmetric window) fails the
     comparison, as would any two arguments of a type swapped."""
-    recorder = Recorder(monkeypatch)
-    ops = attention_stash._FLASH_ATTN_VARLEN
+    use_flash_attention_2(monkeypatch)
+    interface = attention_stash._load_flash(attention_stash._implementation("flash_attention_2"))
+    recorder = Recorder(monkeypatch, interface)
+    ops = interface.varlen_ops
     arguments = _arguments(True, 16)
     query, key, value = _inputs(True, 16)
     grad = torch.randn(query.shape)
@@ -178,3 +198,15 @@ def test_a_planted_swap_is_caught(monkeypatch):
                       grad)
     with pytest.raises(AssertionError, match="_wrapped_flash_attn_varlen_backward', 16"):
         _assert_same_calls(calls, their_calls)
+
+
+def test_the_install_finds_flash_attns_interface(monkeypatch):
+    """What a flash_attention_2 install finds through Hugging Face's lazy import: flash-attn 2's functions, and the
+    kernel functions their autograd functions call, which the tests above bind."""
+    use_flash_attention_2(monkeypatch)
+    interface = attention_stash._load_flash(attention_stash._implementation("flash_attention_2"))
+    assert interface.family is FAMILY
+    assert (interface.function, interface.varlen_function) == (FLASH_ATTN.flash_attn_func,
+                                                               FLASH_ATTN.flash_attn_varlen_func)
+    assert [interface.ops.op, interface.varlen_ops.op] == NAMES[:2]
+    assert interface.description == f"flash-attn 2's interface from flash_attn {FLASH_ATTN_VERSION}"

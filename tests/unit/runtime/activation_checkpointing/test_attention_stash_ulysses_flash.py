@@ -1,10 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""The stash under DeepSpeed's Ulysses sequence parallelism (ALST) with core "flash_attention_2", on two ranks over
-gloo, on CPU over the stand-in kernels of attention_stash_flash.py.
+"""The stash under DeepSpeed's Ulysses sequence parallelism (ALST) with core "flash_attention_2", "flash_attention_3" or
+a Hub kernel ("kernels-community/flash-attn2"), on two ranks over gloo, on CPU over the stand-in kernels of
+attention_stash_flash.py and attention_stash_flash3.py.
 
-ALST's wrapper in Hugging Face's "flash_attention_2" entry all-to-alls query, key and value to the whole sequence and
+ALST's wrapper in Hugging Face's entry of the core implementation all-to-alls query, key and value to the whole sequence and
 a rank's share of the heads, gathers position_ids, and calls the core flash function it captured; the stash's entry
 is that core function, installed before ALST registers or behind its wrapper after. The script
 attention_stash_ulysses_flash_ranks.py trains one step per case on both ranks: bitwise against ALST alone, every
@@ -18,6 +19,7 @@ import os
 import pytest
 
 from attention_stash_flash import flash_attn_or_skip
+from attention_stash_flash3 import flash_kernels_or_skip
 from attention_stash_helpers import NUM_LAYERS, run_on_two_ranks
 
 MODES = ("reentrant", "non_reentrant")
@@ -29,13 +31,15 @@ OP = {"plain": "dense", "packed": "varlen"}
 SEQUENCE = 32
 
 
-@pytest.fixture(scope="module")
-def reports(tmp_path_factory):
+@pytest.fixture(scope="module", params=["flash_attention_2", "flash_attention_3", "kernels-community/flash-attn2"])
+def reports(request, tmp_path_factory):
     flash_attn_or_skip()
+    if request.param != "flash_attention_2":
+        flash_kernels_or_skip()
     folder = tmp_path_factory.mktemp("ulysses_flash")
     run_on_two_ranks(
         os.path.join(os.path.dirname(os.path.abspath(__file__)), "attention_stash_ulysses_flash_ranks.py"),
-        str(folder))
+        str(folder), request.param)
     found = [json.loads((folder / f"rank{rank}.json").read_text()) for rank in range(2)]
     assert sorted(report["rank"] for report in found) == [0, 1]
     return found

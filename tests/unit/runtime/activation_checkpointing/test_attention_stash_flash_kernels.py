@@ -1,0 +1,557 @@
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""The stash on attn_implementation="flash_attention_3" and on a Hub kernel ("kernels-community/flash-attn2"), on CPU
+and on meta.
+
+Each is one record of the stash's implementations table, served through the same flash path as flash_attention_2:
+the install finds the functions Hugging Face's lazy import hands out, and the flash-attn interface they belong to
+(flash-attn 3's, or flash-attn 2's as a Hub build has it). attention_stash_flash3.py supplies flash-attn 3's two ops
+and the Hub kernel's four, with CPU kernels that compute what attention_stash_flash.py's stand-ins compute and fake
+kernels for meta; the Hub kernel is a local repository that the kernels package loads through LOCAL_KERNELS, nothing
+is fetched. A stock step and a stashed one are compared bitwise, and the kernel ops are counted.
+"""
+
+import dataclasses
+import re
+import sys
+import types
+from collections import Counter
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from deepspeed.runtime.activation_checkpointing import attention_stash
+
+from attention_stash_flash import flash_attn_or_skip
+from attention_stash_flash3 import flash_kernels_or_skip, use_flash_attention_3, use_hub_kernel
+from attention_stash_helpers import (assert_same_grads, assert_stock_process, checkpointed, kept_outputs,
+                                     live_checkpoint_calls, llama_model, logged_messages, mistral_model, param_grads)
+from test_attention_stash_flash import PADDING, _live_tensors, _meta_live_tensors, _tensors, make_batch, meta_step
+
+flash_attn_or_skip()
+FLASH_ATTN_3 = flash_kernels_or_skip()
+
+DTYPE = torch.bfloat16
+MODES = pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non_reentrant"])
+HUB = "kernels-community/flash-attn2"
+IMPLEMENTATIONS = ("flash_attention_3", HUB)
+# Each implementation: its family's name, and the multiple its output's head dimension is padded to.
+FAMILY = {"flash_attention_3": ("flash-attn 3", 1), HUB: ("flash-attn 2", 8)}
+MODELS = {
+    "llama": lambda: llama_model(DTYPE),
+    # 36 is not a multiple of 8: flash-attn 2 pads it to 40, flash-attn 3 keeps it.
+    "llama_head_dim_36": lambda: llama_model(DTYPE, head_dim=36),
+    "mistral_sliding_window": lambda: mistral_model(DTYPE, sliding_window=8),
+}
+BATCHES = ("plain", "padded", "packed_position_ids", "packed_cu_seq_lens")
+
+
+@pytest.fixture(params=IMPLEMENTATIONS)
+def implementation(request, monkeypatch, tmp_path_factory):
+    """Each implementation's path made to run on this machine for the test; its name."""
+    if request.param == "flash_attention_3":
+        use_flash_attention_3(monkeypatch)
+    else:
+        use_hub_kernel(monkeypatch, tmp_path_factory, request.param)
+    return request.param
+
+
+def kernel_model(name, implementation, use_reentrant=True):
+    model = MODELS[name]()
+    # Hugging Face checks for CUDA builds when loading with these; set on the built model.
+    model.config._attn_implementation = implementation
+    return checkpointed(model, use_reentrant=use_reentrant)
+
+
+class CountKernelOps(TorchDispatchMode):
+    """Counts the calls of flash-attn 3's ops and the Hub kernel's (fwd, varlen_fwd, bwd, varlen_bwd), by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        namespace, _, name = func._schema.name.partition("::")
+        if namespace == "flash_attn_3" or namespace.startswith("_flash_attn2_"):
+            self.calls[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def counted_step(model, inputs):
+    model.zero_grad(set_to_none=True)
+    with CountKernelOps() as counter:
+        loss = model(**inputs).loss
+        loss.backward()
+    return loss.detach(), param_grads(model), counter.calls
+
+
+def kernel_ops(implementation, kind):
+    """The names of the forward and backward ops a batch kind runs."""
+    varlen = "varlen_" if implementation == HUB and kind != "plain" else ""
+    return f"{varlen}fwd", f"{varlen}bwd"
+
+
+def source(implementation):
+    """What the install line says the implementation's kernels are."""
+    if implementation == "flash_attention_3":
+        return "flash-attn 3's interface from flash_attn_interface"
+    module = attention_stash._FLASH_INTERFACES[HUB].function.__module__.partition(".")[0]
+    return f"flash-attn 2's interface from the Hub kernel flash-attn2 version 4, a local build ({module})"
+
+
+@MODES
+@pytest.mark.parametrize("kind", BATCHES)
+@pytest.mark.parametrize("name", MODELS)
+def test_a_step_is_stock(install, implementation, name, kind, use_reentrant):
+    """A stock step, then a stashed one on every attention layer: the same loss and gradients bitwise, the recompute's
+    attention forwards skipped, every call served, the kept bytes the planner's, nothing left after."""
+    model = kernel_model(name, implementation, use_reentrant)
+    inputs, (batch, sequence) = make_batch(kind)
+    before = _tensors()
+    forward, backward = kernel_ops(implementation, kind)
+
+    expected_loss, expected, stock_calls = counted_step(model, inputs)
+    assert stock_calls == {forward: 6, backward: 3}
+    handle = install(model, 3)
+    loss, grads, stashed_calls = counted_step(model, inputs)
+    assert stashed_calls == {forward: 3, backward: 3}
+    assert (handle.recomputes_served, handle.num_kept, handle.kept_bytes) == (3, 0, 0)
+    assert torch.equal(loss, expected_loss)
+    assert_same_grads(grads, expected)
+
+    config = model.config
+    head_dim = config.head_dim + -config.head_dim % FAMILY[implementation][1]
+    planned = attention_stash.attention_stash_layer_bytes(model, batch, sequence)
+    assert planned == batch * sequence * config.num_attention_heads * (head_dim * 2 + 4)
+    # A padded batch is unpadded: the varlen kernel keeps its real tokens only.
+    tokens = batch * sequence - (PADDING if kind == "padded" else 0)
+    assert handle.peak_kept_bytes == 3 * config.num_attention_heads * tokens * (head_dim * 2 + 4)
+    del inputs, loss, expected_loss
+    assert kept_outputs() == [] and live_checkpoint_calls() == []
+    assert _live_tensors(before, model, expected, grads) == []
+
+
+@MODES
+def test_the_install_line_names_the_kernels_and_their_cost(install, implementation, use_reentrant):
+    """The install line names the implementation and where its kernels come from (the Hub kernel's repository and
+    version), and counts its family's layout: flash-attn 3 does not pad the head dimension, flash-attn 2 pads it to a
+    multiple of 8. The planner agrees."""
+    model = kernel_model("llama_head_dim_36", implementation, use_reentrant)
+    with logged_messages() as messages:
+        install(model, 2, micro_batch_size=2, sequence_length=32)
+    per_layer = 2 * 32 * 4 * ((36 if implementation == "flash_attention_3" else 40) * 2 + 4)
+    assert any(f"keeping the attention output of 2 of 3 attention layers (model.layers.1 to model.layers.2) for "
+               f"their recompute: {2 * per_layer:,} bytes per micro-batch in flight" in message
+               and message.endswith(f'; attn_implementation "{implementation}" ({source(implementation)}).')
+               for message in messages), messages
+    assert attention_stash.attention_stash_layers_for_budget(model, 2 * per_layer, 2, 32) == 2
+
+
+def test_a_kernel_from_the_hub_is_named_with_its_repository_and_revision(monkeypatch, tmp_path_factory):
+    """A kernel the kernels package fetched from the Hub (here, the local one as the package reports a fetched one):
+    its repository and revision."""
+    import kernels
+
+    module = use_hub_kernel(monkeypatch, tmp_path_factory, HUB)
+    fetched = types.SimpleNamespace(module=module,
+                                    metadata=None,
+                                    repo_info=types.SimpleNamespace(repo_id=HUB, revision="v4"))
+    monkeypatch.setattr(kernels, "get_loaded_kernels", lambda: [fetched])
+    interface = attention_stash._load_flash(attention_stash._implementation(HUB))
+    assert interface.description == (f"flash-attn 2's interface from the Hub kernel {HUB} at revision v4 "
+                                     f"({module.__name__})")
+
+
+def test_flash_attention_2_served_through_hugging_faces_hub_kernel_fallback(install, monkeypatch, tmp_path_factory):
+    """Where flash-attn 2 is not available and the kernels package is, Hugging Face's lazy import for
+    "flash_attention_2" loads the Hub kernel kernels-community/flash-attn2: the install finds it, names it, and the
+    stash serves it bitwise."""
+    import transformers.modeling_flash_attention_utils as flash_utils
+
+    use_hub_kernel(monkeypatch, tmp_path_factory, HUB)
+    monkeypatch.setattr(flash_utils, "is_flash_attn_2_available", lambda *args, **kwargs: False)
+    monkeypatch.setattr(flash_utils, "_loaded_implementation", None)
+    model = kernel_model("llama", "flash_attention_2")
+    inputs, _ = make_batch("plain")
+    expected_loss, expected, stock_calls = counted_step(model, inputs)
+    assert stock_calls == {"fwd": 6, "bwd": 3}
+    with logged_messages() as messages:
+        handle = install(model, 3)
+    assert messages[-1].endswith(f'; attn_implementation "flash_attention_2" ({source(HUB)}).'), messages
+    loss, grads, calls = counted_step(model, inputs)
+    assert calls == {"fwd": 3, "bwd": 3} and handle.recomputes_served == 3
+    assert torch.equal(loss, expected_loss)
+    assert_same_grads(grads, expected)
+
+
+@MODES
+def test_flash_attention_3_without_dropout_is_served_where_the_model_asks_for_it(install, monkeypatch, use_reentrant):
+    """flash-attn 3 has no dropout, and Hugging Face passes none to it: a model configured with attention dropout
+    trains as without the stash, bitwise, rather than being refused for what the kernel never runs."""
+    use_flash_attention_3(monkeypatch)
+    model = kernel_model("llama", "flash_attention_3", use_reentrant)
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.1
+    inputs, _ = make_batch("padded")
+    expected_loss, expected, _ = counted_step(model, inputs)
+    handle = install(model, 3)
+    loss, grads, calls = counted_step(model, inputs)
+    assert calls == {"fwd": 3, "bwd": 3} and handle.recomputes_served == 3
+    assert torch.equal(loss, expected_loss)
+    assert_same_grads(grads, expected)
+
+
+@MODES
+def test_a_recompute_with_another_deterministic_setting_is_refused(install, implementation, monkeypatch,
+                                                                   use_reentrant):
+    """FLASH_ATTENTION_DETERMINISTIC switched between the forward and the backward: the backward would run another
+    algorithm than the forward asked for, and the stash names the setting."""
+    model = kernel_model("llama", implementation, use_reentrant)
+    handle = install(model, 3)
+    monkeypatch.setenv("FLASH_ATTENTION_DETERMINISTIC", "0")
+    loss = model(**make_batch("plain")[0]).loss
+    monkeypatch.setenv("FLASH_ATTENTION_DETERMINISTIC", "1")
+    family = FAMILY[implementation][0]
+    with pytest.raises(RuntimeError,
+                       match=f"call {family} \\(flash_attn_func\\) with its forward's arguments, got another "
+                       r"deterministic \(attention call 1\): the kept output is the forward's\. Keep flash-attn's "
+                       r"settings \(FLASH_ATTENTION_DETERMINISTIC"):
+        loss.backward()
+    del loss
+    assert handle.num_kept == 0 and kept_outputs() == []
+
+
+@pytest.mark.parametrize("argument", [
+    dict(qv=torch.ones(1)),
+    dict(q_descale=torch.ones(1)),
+    dict(attention_chunk=64),
+    dict(seqused_q=torch.ones(1, dtype=torch.int32)),
+],
+                         ids=["qv", "q_descale", "attention_chunk", "seqused_q"])
+def test_flash_attention_3_arguments_the_replay_does_not_serve_are_refused(install, monkeypatch, argument):
+    """flash-attn 3's arguments beyond plain softmax attention (another input, FP8 scales, chunked attention, used
+    lengths), which Hugging Face does not pass in training: named, and nothing kept."""
+    use_flash_attention_3(monkeypatch)
+    model = kernel_model("llama", "flash_attention_3")
+    handle = install(model, 1)
+    call = attention_stash._CheckpointCall(handle._stashes[0], None)
+    call.passes, call.kept = 1, []
+    query = torch.randn(1, 8, 4, 16, dtype=DTYPE)
+    (name, value), = argument.items()
+    interface = attention_stash._FLASH_INTERFACES["flash_attention_3"]
+    with pytest.raises(RuntimeError,
+                       match=f"needs flash-attn calls that return the attention output of plain softmax attention "
+                       f"alone in model\\.layers\\.2, got {name}="):
+        call.flash(interface, query, query, query, attention_stash._FlashArguments(causal=True, **argument))
+    assert call.kept == [] and handle.num_kept == 0
+
+
+def _interface_module(implementation):
+    return sys.modules[attention_stash._load_flash(
+        attention_stash._implementation(implementation)).function.__module__]
+
+
+def test_an_interface_with_parameters_the_stash_does_not_know_is_refused_at_install(implementation, monkeypatch):
+    """A flash_attn_varlen_func that takes a parameter the stash does not know (a newer release, another kernel such
+    as vLLM's flash-attn 3 with its attention sinks): refused at the install, naming the parameter and the kernel."""
+    import transformers.modeling_flash_attention_utils as flash_utils
+
+    module = _interface_module(implementation)
+
+    def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, s_aux=None):
+        raise AssertionError("not called")
+
+    flash_attn_varlen_func.__module__ = module.__name__
+    monkeypatch.setattr(module, "flash_attn_varlen_func", flash_attn_varlen_func)
+    if implementation == HUB:
+        monkeypatch.setattr(sys.modules[module.__name__.partition(".")[0]], "flash_attn_varlen_func",
+                            flash_attn_varlen_func)
+    monkeypatch.setattr(flash_utils, "_loaded_implementation", None)
+    model = kernel_model("llama", implementation)
+    family = FAMILY[implementation][0]
+    with pytest.raises(RuntimeError,
+                       match=f"needs {family}'s interface as .* has it for attn_implementation=\"{implementation}\", "
+                       f"got .*\\({module.__name__}\\) s_aux in its functions' parameters\\. Install "):
+        attention_stash.install_attention_stash(model, 1)
+    assert attention_stash._held is None and not attention_stash._STASHES
+
+
+def test_a_hub_kernel_without_the_kernel_functions_is_refused_at_install(monkeypatch, tmp_path_factory):
+    """A Hub build of flash-attn 2 without one of the kernel functions its autograd functions call: named."""
+    use_hub_kernel(monkeypatch, tmp_path_factory, HUB)
+    module = _interface_module(HUB)
+    monkeypatch.delattr(module, "_flash_attn_varlen_backward")
+    with pytest.raises(RuntimeError,
+                       match=f"needs flash-attn 2's interface as flash-attn 2\\.8 has it for attn_implementation="
+                       f"\"{HUB}\", got the Hub kernel flash-attn2 version 4, a local build .* without "
+                       f"_flash_attn_varlen_backward\\. Install flash-attn 2\\.8"):
+        attention_stash.install_attention_stash(kernel_model("llama", HUB), 1)
+    assert attention_stash._held is None
+
+
+def test_an_implementation_that_does_not_load_is_refused_at_install(implementation, monkeypatch, tmp_path):
+    """flash-attn 3's interface not importable, a Hub kernel the kernels package cannot find: named, with the error."""
+    import transformers.modeling_flash_attention_utils as flash_utils
+
+    model = kernel_model("llama", implementation)
+    monkeypatch.setattr(flash_utils, "_loaded_implementation", None)
+    if implementation == "flash_attention_3":
+        monkeypatch.setitem(sys.modules, "flash_attn_interface", None)
+        message = (r'needs flash-attn 3 \(its flash_attn_interface module, from flash-attn\'s hopper/ build\) for '
+                   r'attn_implementation="flash_attention_3", got an import error: .*Install flash-attn 3, or load')
+    else:
+        monkeypatch.setenv("LOCAL_KERNELS", f"{HUB}={tmp_path}")
+        message = (f'needs the Hub kernel {HUB} \\(loaded by the kernels package\\) for attn_implementation="{HUB}", '
+                   f'got an error \\(ValueError\\): .*Install the Hub kernel {HUB}, or load')
+    # (?s): the kernels package's error spans lines.
+    with pytest.raises(RuntimeError, match="(?s)" + message):
+        attention_stash.install_attention_stash(model, 1)
+    assert attention_stash._held is None
+
+
+def test_other_functions_after_the_install_are_refused(install, implementation, monkeypatch):
+    """Hugging Face's lazy import handing out other functions than the install found (another implementation loaded
+    since under the same name): refused at the first stashed call, naming the install's."""
+    import transformers.modeling_flash_attention_utils as flash_utils
+
+    model = kernel_model("llama", implementation)
+    install(model, 3)
+    lazy_imports = flash_utils._lazy_imports
+
+    def other_flash_attn_func(*args, **kwargs):
+        raise AssertionError("not called")
+
+    monkeypatch.setattr(flash_utils, "_lazy_imports", lambda *args, **kwargs:
+                        (other_flash_attn_func, *lazy_imports(*args, **kwargs)[1:]))
+    monkeypatch.setattr(flash_utils, "_loaded_implementation", None)
+    family = FAMILY[implementation][0]
+    with pytest.raises(RuntimeError,
+                       match=f"needs Hugging Face's {implementation} to call {family}'s flash_attn_func and "
+                       f"flash_attn_varlen_func, whose kernels it replays, as the install found them "
+                       f"\\({re.escape(source(implementation))}\\), got <function .*other_flash_attn_func"):
+        model(**make_batch("plain")[0])
+
+
+@MODES
+def test_a_hub_kernel_registered_again_by_hugging_face_stays_served(install, monkeypatch, tmp_path_factory,
+                                                                    use_reentrant):
+    """transformers keeps one flash implementation loaded per process; loading the Hub kernel again after another
+    (here: transformers told that none is loaded) registers its entry again, library-wide, in the first flash call of
+    the next forward, which an unstashed layer makes. The stash's entry stands in front of that registration: the
+    stashed layers are served, bitwise; after the removal the registration is what lookups reach."""
+    import transformers.modeling_flash_attention_utils as flash_utils
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+    use_hub_kernel(monkeypatch, tmp_path_factory, HUB)
+    model = kernel_model("llama", HUB, use_reentrant)
+    inputs, _ = make_batch("packed_position_ids")
+    expected_loss, expected, _ = counted_step(model, inputs)
+    handle = install(model, 2)
+    stock = AttentionInterface._global_mapping[HUB]
+    for step in range(2):
+        monkeypatch.setattr(flash_utils, "_loaded_implementation", None)
+        loss, grads, calls = counted_step(model, inputs)
+        assert AttentionInterface._global_mapping[HUB] is stock
+        assert calls == {"varlen_fwd": 4, "varlen_bwd": 3} and handle.recomputes_served == 2 * (step + 1)
+        assert torch.equal(loss, expected_loss)
+        assert_same_grads(grads, expected)
+    handle.remove()
+    assert HUB not in ALL_ATTENTION_FUNCTIONS._local_mapping and ALL_ATTENTION_FUNCTIONS[HUB] is stock
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# On the meta device, through the stand-ins' fake kernels.
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@MODES
+@pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
+def test_a_step_on_meta(install, implementation, packed, use_reentrant):
+    """The decoder layers on meta tensors in bfloat16, called as the model calls them (a packed batch passes its
+    cu_seqlens, as a padding-free collator does): every call served, the kept bytes the planner's, every parameter a
+    gradient of its shape and dtype, nothing left after."""
+    with torch.device("meta"):
+        model = kernel_model("llama_head_dim_36", implementation, use_reentrant)
+    handle = install(model, 3)
+    counter = meta_step(model, handle, packed, CountKernelOps(), 3)
+    assert counter.calls == dict(zip(kernel_ops(implementation, "packed" if packed else "plain"), (3, 3)))
+    assert _meta_live_tensors(model) == [] and live_checkpoint_calls() == []
+
+
+def test_the_meta_layout_is_flash_attn_3s(monkeypatch):
+    """What the stash keeps of a flash-attn 3 call (the unpadded output, the log-sum-exp) is what flash-attn 3's op
+    returns, in layout and dtype, and what the planner counts."""
+    use_flash_attention_3(monkeypatch)
+    ops = attention_stash._load_flash(attention_stash._implementation("flash_attention_3")).ops
+    query = torch.empty(2, 72, 4, 36, device="meta", dtype=DTYPE)
+    key = torch.empty(2, 72, 2, 36, device="meta", dtype=DTYPE)
+    output, (lse, *cu_seqlens), scalars = ops.kernel(query, key, key, None,
+                                                     attention_stash._FlashArguments(softmax_scale=36**-0.5))
+    assert output.shape == (2, 72, 4, 36) and cu_seqlens == [None, None] and scalars == ()
+    assert (lse.shape, lse.dtype) == ((2, 4, 72), torch.float32)
+    assert output.nbytes + lse.nbytes == ops.kept_bytes(2, 4, 72, 36, DTYPE)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Bound against flash-attn 3's own autograd functions.
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+class Recorder:
+    """Stands in for flash-attn 3's two kernel functions: records each call's arguments; the forward returns
+    sentinels of distinct values (output, log-sum-exp, and the two accumulators), the backward fills dq, dk, dv."""
+
+    def __init__(self, monkeypatch):
+        self.calls = []
+        for name in ("_flash_attn_forward", "_flash_attn_backward"):
+            monkeypatch.setattr(FLASH_ATTN_3, name, self._kernel(name))
+
+    def _kernel(self, name):
+
+        def kernel(*args, **kwargs):
+            self.calls.append((name, args, kwargs))
+            if name == "_flash_attn_forward":
+                query, cu_seqlens = args[0], args[7]
+                lse_shape = (4, query.shape[0]) if cu_seqlens is not None else (query.shape[0], 4, query.shape[1])
+                return torch.full_like(query, 7.0), torch.full(lse_shape, 11.0), torch.empty(0), torch.empty(0)
+            for position, value in zip((12, 13, 14), (19.0, 23.0, 29.0)):
+                args[position].fill_(value)
+            return (*args[12:15], torch.empty(0))
+
+        return kernel
+
+
+def _same(ours, theirs):
+    if isinstance(theirs, torch.Tensor) or isinstance(ours, torch.Tensor):
+        return (isinstance(ours, torch.Tensor) and isinstance(theirs, torch.Tensor) and ours.shape == theirs.shape
+                and ours.dtype == theirs.dtype and torch.equal(ours, theirs))
+    return type(ours) is type(theirs) and ours == theirs
+
+
+def _flash3_case(varlen):
+    """Query, key, value and the arguments of one call, each of a distinct value where two share a type."""
+    generator = torch.Generator().manual_seed(0)
+    shape = (8, ) if varlen else (2, 4)
+    query, key, value = (torch.randn(*shape, heads, 16, generator=generator, requires_grad=True)
+                         for heads in (4, 2, 2))
+    cu_seqlens = dict(cu_seqlens_q=torch.tensor([0, 3, 8], dtype=torch.int32),
+                      cu_seqlens_k=torch.tensor([0, 4, 8], dtype=torch.int32),
+                      max_seqlen_q=5,
+                      max_seqlen_k=4) if varlen else {}
+    arguments = attention_stash._FlashArguments(softmax_scale=0.25,
+                                                causal=True,
+                                                window_size=(3, 5),
+                                                softcap=2.5,
+                                                deterministic=True,
+                                                num_splits=3,
+                                                pack_gqa=False,
+                                                sm_margin=7,
+                                                **cu_seqlens)
+    return query, key, value, arguments
+
+
+def _theirs_3(varlen, query, key, value, a, grad):
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda tensor: saved.append(tensor) or tensor, lambda t: t):
+        options = dict(softmax_scale=a.softmax_scale,
+                       causal=a.causal,
+                       window_size=a.window_size,
+                       softcap=a.softcap,
+                       num_splits=a.num_splits,
+                       pack_gqa=a.pack_gqa,
+                       deterministic=a.deterministic,
+                       sm_margin=a.sm_margin)
+        if varlen:
+            out = FLASH_ATTN_3.flash_attn_varlen_func(query, key, value, a.cu_seqlens_q, a.cu_seqlens_k,
+                                                      a.max_seqlen_q, a.max_seqlen_k, **options)
+        else:
+            out = FLASH_ATTN_3.flash_attn_func(query, key, value, **options)
+    return out, saved, torch.autograd.grad(out, (query, key, value), grad)
+
+
+def _ours_3(ops, query, key, value, a, grad):
+    """The stash's call in a bare checkpoint call: its first pass without grad, then its recompute."""
+    from attention_stash_helpers import bare_call
+
+    call, counters = bare_call(lambda *inputs: attention_stash._state.call.attend(ops, *inputs, None, a),
+                               "flash_attention_3")
+    with torch.no_grad():
+        call(query.detach(), key.detach(), value.detach())
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda tensor: saved.append(tensor) or tensor, lambda t: t):
+        out = call(query, key, value)
+    assert counters.recomputes_served == 1
+    return out, saved, torch.autograd.grad(out, (query, key, value), grad)
+
+
+def _assert_same_calls(ours, theirs):
+    assert [name for name, _, _ in ours] == [name for name, _, _ in theirs]
+    for (name, our_args, our_kwargs), (_, their_args, their_kwargs) in zip(ours, theirs):
+        assert len(our_args) == len(their_args) and our_kwargs.keys() == their_kwargs.keys(), name
+        for position, (mine, their) in enumerate(zip(our_args, their_args)):
+            if name == "_flash_attn_backward" and position in (12, 13, 14):
+                # dq, dk and dv: buffers the kernel fills, empty_like query, key and value.
+                assert (mine.shape, mine.dtype) == (their.shape, their.dtype), (name, position)
+            else:
+                assert _same(mine, their), (name, position)
+        for keyword, their in their_kwargs.items():
+            assert _same(our_kwargs[keyword], their), (name, keyword)
+
+
+def _bound_case(monkeypatch, varlen, ops=None):
+    use_flash_attention_3(monkeypatch)
+    interface = attention_stash._load_flash(attention_stash._implementation("flash_attention_3"))
+    recorder = Recorder(monkeypatch)
+    query, key, value, arguments = _flash3_case(varlen)
+    grad = torch.randn(query.shape, generator=torch.Generator().manual_seed(4))
+    theirs = _theirs_3(varlen, query, key, value, arguments, grad)
+    their_calls = recorder.calls[:]
+    ops = ops or (interface.varlen_ops if varlen else interface.ops)
+    ours = _ours_3(ops, query, key, value, arguments, grad)
+    return ours, theirs, recorder.calls[len(their_calls):], their_calls
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["flash_attn_func", "flash_attn_varlen_func"])
+def test_kernel_calls_and_saves_follow_flash_attn_3s_functions(monkeypatch, varlen):
+    """The stash calls flash-attn 3's forward and backward kernel functions as FlashAttnFunc (FlashAttnVarlenFunc)
+    calls them, argument for argument, and its node saves what that function saves, in its order: (query, key, value,
+    output, log-sum-exp, [cu_seqlens_q, cu_seqlens_k]); its output and gradients are that function's."""
+    (out, saved, grads), (their_out, their_saved, their_grads), calls, their_calls = _bound_case(monkeypatch, varlen)
+    _assert_same_calls(calls, their_calls)
+    assert len(saved) == len(their_saved) == (7 if varlen else 5)
+    assert all(_same(mine, their) for mine, their in zip(saved, their_saved))
+    assert _same(out, their_out)
+    assert all(_same(mine, their) for mine, their in zip(grads, their_grads))
+
+
+def test_a_planted_swap_in_flash_attn_3s_backward_is_caught(monkeypatch):
+    """A backward that passes the two window sizes swapped fails the comparison, as would any two arguments of a
+    type swapped."""
+    use_flash_attention_3(monkeypatch)
+    ops = attention_stash._load_flash(attention_stash._implementation("flash_attention_3")).varlen_ops
+
+    def swapped_backward(grad, q, k, v, mask, out, tensors, scalars, a, needs_grad):
+        swapped = dataclasses.replace(a, window_size=a.window_size[::-1])
+        return ops.backward(grad, q, k, v, mask, out, tensors, scalars, swapped, needs_grad)
+
+    _, _, calls, their_calls = _bound_case(monkeypatch, True, dataclasses.replace(ops, backward=swapped_backward))
+    with pytest.raises(AssertionError, match="_flash_attn_backward', 17"):
+        _assert_same_calls(calls, their_calls)
+
+
+def test_nothing_is_left_installed(monkeypatch, tmp_path_factory):
+    """After an install and removal on each implementation, Hugging Face's objects are their own again."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    for implementation in IMPLEMENTATIONS:
+        with monkeypatch.context() as patch:
+            if implementation == HUB:
+                use_hub_kernel(patch, tmp_path_factory, HUB)
+            else:
+                use_flash_attention_3(patch)
+            handle = attention_stash.install_attention_stash(kernel_model("llama", implementation), 3)
+            handle.remove()
+            assert attention_stash._held is None and implementation not in ALL_ATTENTION_FUNCTIONS._local_mapping
+    assert_stock_process()
