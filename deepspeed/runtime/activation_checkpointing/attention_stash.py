@@ -25,6 +25,7 @@ Contents, in reading order:
 """
 
 import dataclasses
+import importlib.metadata
 import inspect
 import math
 import operator
@@ -444,32 +445,13 @@ def _flash2_backward(module, backward, grad, q, k, v, mask, out, tensors, scalar
 
 def _flash3_kernel(module, forward, q, k, v, mask, a):
     cu_q, cu_k, max_q, max_k = a.varlen() or (None, ) * 4
-    out, lse, *_ = getattr(module, forward)(q,
-                                            k,
-                                            v,
-                                            None,
-                                            None,
-                                            a.qv,
-                                            None,
-                                            cu_q,
-                                            cu_k,
-                                            None,
-                                            a.seqused_q,
-                                            a.seqused_k,
-                                            max_q,
-                                            max_k,
-                                            *(None, ) * 6,
-                                            a.q_descale,
-                                            a.k_descale,
-                                            a.v_descale,
-                                            a.softmax_scale,
-                                            causal=a.causal,
-                                            window_size=a.window_size,
-                                            attention_chunk=a.attention_chunk,
-                                            softcap=a.softcap,
-                                            num_splits=a.num_splits,
-                                            pack_gqa=a.pack_gqa,
-                                            sm_margin=a.sm_margin)
+    # After q, k, v: k_new, v_new, qv, out, cu_seqlens (q, k, k_new), seqused (q, k), max_seqlen (q, k), page_table,
+    # kv_batch_idx, leftpad_k, the rotary embedding's three, the descales (q, k, v) and softmax_scale.
+    keywords = {"causal": a.causal, "window_size": a.window_size, "attention_chunk": a.attention_chunk}
+    keywords.update(softcap=a.softcap, num_splits=a.num_splits, pack_gqa=a.pack_gqa, sm_margin=a.sm_margin)
+    out, lse, *_ = getattr(module, forward)(q, k, v, None, None, a.qv, None, cu_q, cu_k, None, a.seqused_q,
+                                            a.seqused_k, max_q, max_k, *(None, ) * 6, a.q_descale, a.k_descale,
+                                            a.v_descale, a.softmax_scale, **keywords)
     return out, (lse, cu_q, cu_k), ()
 
 
@@ -487,14 +469,15 @@ class _FlashFamily:
     """A flash-attn interface the stash knows, wherever it is loaded from (a pip package, a Hub kernel): its name and
     release, the parameters of its flash_attn_func and flash_attn_varlen_func beyond q, k and v, the prefixes of the
     kernel functions its autograd functions call (the first a module has), their names after the prefix (forward,
-    varlen forward, backward, varlen backward), ``kernel`` and ``backward``, and the head-dimension multiple of its
-    output."""
+    varlen forward, backward, varlen backward) and parameters, ``kernel`` and ``backward``, and the head-dimension
+    multiple of its output."""
 
     name: str
     release: str
     parameters: frozenset
     prefixes: tuple
     functions: tuple
+    signatures: tuple
     kernel: object
     backward: object
     head_dim_multiple: int
@@ -508,18 +491,34 @@ class _FlashFamily:
 
 
 _FLASH_VARLEN_PARAMETERS = "cu_seqlens_q cu_seqlens_k max_seqlen_q max_seqlen_k "
+# flash-attn 2.8's kernel functions' parameters, after (dout,) q, k, v (, out, softmax_lse, dq, dk, dv).
+_FLASH2_KERNEL = ("{} dropout_p softmax_scale causal window_size_left window_size_right softcap alibi_slopes {}")
+_FLASH2_FORWARD, _FLASH2_BACKWARD = "q k v", "dout q k v out softmax_lse dq dk dv"
 _FLASH_FAMILIES = (
     _FlashFamily(
         "flash-attn 2", "flash-attn 2.8",
         frozenset((_FLASH_VARLEN_PARAMETERS + "dropout_p softmax_scale causal window_size softcap alibi_slopes "
                    "deterministic return_attn_probs block_table").split()), ("_wrapped_flash_attn_", "_flash_attn_"),
-        ("forward", "varlen_forward", "backward", "varlen_backward"), _flash2_kernel, _flash2_backward, 8),
+        ("forward", "varlen_forward", "backward", "varlen_backward"),
+        (_FLASH2_KERNEL.format(_FLASH2_FORWARD, "return_softmax"),
+         _FLASH2_KERNEL.format(f"{_FLASH2_FORWARD} {_FLASH_VARLEN_PARAMETERS}",
+                               "return_softmax block_table leftpad_k seqused_k zero_tensors"),
+         _FLASH2_KERNEL.format(_FLASH2_BACKWARD, "deterministic rng_state"),
+         _FLASH2_KERNEL.format(f"{_FLASH2_BACKWARD} {_FLASH_VARLEN_PARAMETERS}",
+                               "deterministic rng_state zero_tensors")), _flash2_kernel, _flash2_backward, 8),
     _FlashFamily(
-        "flash-attn 3", "flash-attn 3 (2.8's hopper interface)",
+        "flash-attn 3", "flash-attn 3 as flash-attn 2.8.3's hopper interface",
         frozenset(
             (_FLASH_VARLEN_PARAMETERS + "seqused_q seqused_k softmax_scale causal qv q_descale k_descale "
              "v_descale window_size attention_chunk softcap num_splits pack_gqa deterministic sm_margin").split()),
-        ("_flash_attn_", ), ("forward", "forward", "backward", "backward"), _flash3_kernel, _flash3_backward, 1),
+        ("_flash_attn_", ), ("forward", "forward", "backward", "backward"),
+        ("q k v k_new v_new qv out cu_seqlens_q cu_seqlens_k cu_seqlens_k_new seqused_q seqused_k max_seqlen_q "
+         "max_seqlen_k page_table kv_batch_idx leftpad_k rotary_cos rotary_sin seqlens_rotary q_descale k_descale "
+         "v_descale softmax_scale causal window_size attention_chunk softcap rotary_interleaved scheduler_metadata "
+         "num_splits pack_gqa sm_margin", ) * 2 +
+        ("dout q k v out softmax_lse cu_seqlens_q cu_seqlens_k sequed_q sequed_k max_seqlen_q max_seqlen_k dq dk dv "
+         "softmax_scale causal window_size softcap deterministic sm_margin", ) * 2, _flash3_kernel, _flash3_backward,
+        1),
 )
 
 
@@ -1005,45 +1004,70 @@ def _source(module):
             info, metadata = loaded.repo_info, loaded.metadata
             return (f"the Hub kernel {info.repo_id} at revision {info.revision} ({top})"
                     if info else f"the Hub kernel {metadata.name} version {metadata.version}, a local build ({top})")
-    return f"{top} {getattr(sys.modules.get(top), '__version__', '')}".rstrip()
+    version = getattr(sys.modules.get(top), "__version__", None)
+    if version is None:
+        # A module without a version of its own (flash-attn 3's flash_attn_interface): its distribution's.
+        distributions = importlib.metadata.packages_distributions().get(top, ())
+        version = ", ".join(f"{name} {importlib.metadata.version(name)}" for name in distributions)
+    return f"{top} {version}".rstrip()
+
+
+def _parameters(function):
+    """The parameter names of a function, or of a torch op (its schema's)."""
+    schema = getattr(getattr(function, "default", None), "_schema", None)
+    return [argument.name for argument in schema.arguments] if schema else list(inspect.signature(function).parameters)
 
 
 def _load_flash(record):
     """The flash interface Hugging Face's lazy import hands out for ``record``'s implementation, checked against the
-    families the stash knows; raises for one it cannot serve, naming what it lacks."""
+    families the stash knows: its functions the interface module's own, their parameters and its kernel functions'
+    the family's. Raises for one it cannot serve, naming what differs. The same functions give the same interface."""
     from transformers import modeling_flash_attention_utils as flash_utils
 
     name = record.name
     what, where = (text.format(name=name) for text in record.requires)
     try:
         (function, varlen_function, *_), _ = flash_utils.lazy_import_flash_attention(name)
-        module = sys.modules[function.__module__]
-        parameters = set()
-        for candidate in (function, varlen_function):
-            parameters.update(inspect.signature(candidate).parameters)
     except Exception as error:
         kind = "an import error" if isinstance(error, ImportError) else f"an error ({type(error).__name__})"
         raise AttentionStashError(
             f'{_FEATURE} needs {what} ({where}) for attn_implementation="{name}", got {kind}: '
             f'{error}. Install {what}, or load the model with attn_implementation="sdpa".') from error
-    parameters -= {"q", "k", "v"}
-    source = _source(module)
+    module = sys.modules.get(getattr(function, "__module__", None))
+    if module is None or not all(
+            getattr(module, getattr(f, "__name__", ""), None) is f and getattr(f, "__globals__", None) is vars(module)
+            for f in (function, varlen_function)):
+        raise AttentionStashError(f'{_FEATURE} needs the flash_attn_func and flash_attn_varlen_func of a flash-attn '
+                                  f'interface module for attn_implementation="{name}", got {function!r} and '
+                                  f'{varlen_function!r}, which are not (a wrapper around them, or a kernel without '
+                                  f'them). Remove the wrapper, or load the model with attn_implementation="sdpa".')
+    parameters = set(_parameters(function) + _parameters(varlen_function)) - {"q", "k", "v"}
     # The family whose functions take these parameters, else the one of which fewest are unknown.
     family = min(_FLASH_FAMILIES, key=lambda family: len(parameters - family.parameters))
-    unknown = sorted(parameters - family.parameters)
     prefix = next((prefix for prefix in family.prefixes if hasattr(module, prefix + family.functions[0])),
                   family.prefixes[0])
     names = [prefix + function for function in family.functions]
-    missing = [name for name in dict.fromkeys(names) if not callable(getattr(module, name, None))]
-    if unknown or missing:
-        got = f"{', '.join(unknown)} in its functions' parameters" if unknown else f"without {', '.join(missing)}"
+    unknown = sorted(parameters - family.parameters)
+    differences = [f"{', '.join(unknown)} in its functions' parameters"] if unknown else []
+    for kernel, signature in dict(zip(names, family.signatures)).items():
+        if not callable(getattr(module, kernel, None)):
+            differences.append(f"without {kernel}")
+        elif _parameters(getattr(module, kernel)) != signature.split():
+            differences.append(f"{kernel}({', '.join(_parameters(getattr(module, kernel)))})")
+    if differences:
         raise AttentionStashError(f"{_FEATURE} needs {family.name}'s interface as {family.release} has it for "
-                                  f"attn_implementation=\"{name}\", got {source} ({module.__name__}) {got}. Install "
-                                  f"{family.release}, or load the model with attn_implementation=\"sdpa\".")
-    interface = _FlashInterface(family, f"{family.name}'s interface from {source}", function, varlen_function,
-                                family.ops(module, names, False), family.ops(module, names, True))
-    interface.calls = (partial(_flash_of_current_call, interface), partial(_flash_varlen_of_current_call, interface))
-    _FLASH_INTERFACES[name] = interface
+                                  f"attn_implementation=\"{name}\", got {_source(module)} ({module.__name__}) "
+                                  f"{'; '.join(differences)}. Install {family.release}, or load the model with "
+                                  f"attn_implementation=\"sdpa\".")
+    interface = _FLASH_INTERFACES.get(name)
+    if interface is None or (interface.function, interface.varlen_function,
+                             interface.ops.op) != (function, varlen_function, names[0]):
+        # A pending recompute compares its ops with its forward's: the same functions keep the same ops.
+        interface = _FlashInterface(family, f"{family.name}'s interface from {_source(module)}", function,
+                                    varlen_function, family.ops(module, names, False), family.ops(module, names, True))
+        interface.calls = (partial(_flash_of_current_call, interface), partial(_flash_varlen_of_current_call,
+                                                                               interface))
+        _FLASH_INTERFACES[name] = interface
     return interface
 
 
@@ -1308,12 +1332,14 @@ class _CheckpointFunctionSlot:
 _SLOT = _CheckpointFunctionSlot()
 
 
-def _stashing_entry(original, where, implementation):
-    """The stash's entry for ``implementation`` in front of ``original``: an attention module of a stashed layer,
-    inside its checkpoint call, runs the stash's copy of ``original``, any other call ``original``, also after the
-    removal. Raises, before anything changes, for an ``original`` it cannot serve. Where a global the copy reads
-    changes (a library's patch, ``mock.patch``), the next call copies again."""
-    served = implementation.name
+def _stashing_entry(original, place, implementation):
+    """The stash's entry for ``implementation`` in front of ``original``, for ``place`` (an _Entry): an attention
+    module of a stashed layer, inside its checkpoint call, runs the stash's copy of ``original``, any other call
+    ``original``, also after the removal. Raises, before anything changes, for an ``original`` it cannot serve. Where a
+    global the copy reads changes (a library's patch, ``mock.patch``), the next call copies again; where the entry
+    shadows a key of a mapping behind it, a registration there since the install is called, or refused for a stashed
+    layer."""
+    served, where, behind, key = implementation.name, place.description, place.behind, place.key
     copy, sources = implementation.copy(implementation, original, where)
     watched = []
     for source in sources:
@@ -1325,6 +1351,13 @@ def _stashing_entry(original, where, implementation):
     def stashing_entry(module, *args, **kwargs):
         nonlocal copy, values
         call = _state.call
+        if behind is not None and behind.get(key) is not original:
+            if call is not None and module in call.stash.modules and call.serving:
+                raise AttentionStashError(f"{_FEATURE} needs the attention of {call.stash.name} to run the {served} "
+                                          f"function it served at the install, {original!r}, got {behind.get(key)!r} "
+                                          f"registered for it since. Register attention functions before installing "
+                                          f"the stash, or remove the stash before registering another.")
+            return behind[key](module, *args, **kwargs)
         if call is not None and module in call.stash.modules:
             if call.serving:
                 if call.stash.implementation != served:
@@ -1424,7 +1457,7 @@ def _take_hold(layer_class, attention_functions, implementation):
         entry.original, entry.entry = _ENTRIES[earlier], earlier
     else:
         # The entry first: it raises for an original it cannot serve, before anything is changed.
-        entry.original, entry.entry = current, _stashing_entry(current, entry.description, implementation)
+        entry.original, entry.entry = current, _stashing_entry(current, entry, implementation)
     if _held is None:
         _held = _Hold(layer_class, attention_functions, layer_class.__dict__.get(_CHECKPOINT_FUNCTION, _MISSING), {})
         setattr(layer_class, _CHECKPOINT_FUNCTION, _SLOT)
@@ -1897,11 +1930,11 @@ def install_attention_stash(model: torch.nn.Module,
     """Keep the attention output of the last ``num_layers`` decoder layers for their checkpoint recompute.
 
     ``model`` is a Hugging Face model loaded with ``attn_implementation="sdpa"``, ``"flash_attention_2"``,
-    ``"flash_attention_3"`` or a Hub kernel with flash-attn's interface (``"kernels-community/flash-attn2"``), each layer
-    as its attention modules' config says, and trained with per-layer activation checkpointing, reentrant or not. In
-    each checkpointed call of a stashed layer, the first pass runs the kernel F.scaled_dot_product_attention (or
-    flash-attn's autograd function) would run and keeps its output and log-sum-exp; the recompute returns them from
-    the stash's autograd node, whose backward is the kernel's, and skips the attention forward. What a call keeps is
+    ``"flash_attention_3"`` or a Hub kernel with flash-attn's interface (``"kernels-community/flash-attn2"``), each
+    layer as its attention modules' config says, and trained with per-layer activation checkpointing, reentrant or not.
+    In each checkpointed call of a stashed layer, the first pass runs the kernel F.scaled_dot_product_attention (or
+    flash-attn's autograd function) would run and keeps its output and log-sum-exp; the recompute returns them from the
+    stash's autograd node, whose backward is the kernel's, and skips the attention forward. What a call keeps is
     released when its recompute takes it, or with its checkpoint's graph.
 
     ``num_layers`` counts attention layers from the end (the checkpointed ones, where ``every_n_layers`` leaves some

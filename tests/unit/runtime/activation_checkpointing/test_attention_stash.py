@@ -334,10 +334,11 @@ def test_head_dim_padding_for_kernels_that_need_it(install, monkeypatch):
 
 
 def test_rejects_other_attention_implementations():
-    with pytest.raises(RuntimeError,
-                       match='needs a Hugging Face model with attn_implementation "sdpa", "flash_attention_2", '
-                       '"flash_attention_3" or a Hub kernel with flash-attn\'s interface \\("kernels-community/flash-attn2"'
-                       '\\), got \'eager\' on MixtralForCausalLM'):
+    with pytest.raises(
+            RuntimeError,
+            match='needs a Hugging Face model with attn_implementation "sdpa", "flash_attention_2", '
+            '"flash_attention_3" or a Hub kernel with flash-attn\'s interface \\("kernels-community/flash-attn2"'
+            '\\), got \'eager\' on MixtralForCausalLM'):
         install_attention_stash(mixtral_model(attn_implementation="eager"), 1)
 
 

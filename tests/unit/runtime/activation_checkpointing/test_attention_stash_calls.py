@@ -143,6 +143,13 @@ def test_a_model_that_holds_its_handle_pickles_as_it_copies(install, how):
     ids = batch_ids()
     expected_loss, expected = train_step(checkpointed(mixtral_model()), ids)
     model = mixtral_model()
+    if how != "deepcopy":
+        try:
+            pickle.dumps(model)
+        except (AttributeError, pickle.PicklingError) as error:
+            # transformers 5.22 with the kernels package installed (the Hub-kernel tests' requirement) puts modules of
+            # classes local to kernels' use_kernelized_func in each layer: no model pickles, with or without a stash.
+            pytest.skip(f"a plain {type(model).__name__} does not pickle here: {error}")
     model.attention_stash = install(model, NUM_LAYERS)
     if how == "pickle":
         twin = pickle.loads(pickle.dumps(model))

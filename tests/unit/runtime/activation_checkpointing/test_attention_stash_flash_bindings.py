@@ -93,7 +93,7 @@ def _arguments(varlen, head_dim):
     cu_seqlens = (torch.tensor(CU_SEQLENS_Q, dtype=torch.int32),
                   torch.tensor(CU_SEQLENS_K, dtype=torch.int32)) if varlen else (None, None)
     max_seqlens = (5, 4) if varlen else (None, None)
-    return attention_stash._FlashArguments(0.0, head_dim**-0.5, True, (3, 5), 2.5, None, True, *cu_seqlens,
+    return attention_stash._FlashArguments(0.0, head_dim**-0.5, True, (3, 5), 2.5, None, False, *cu_seqlens,
                                            *max_seqlens)
 
 

@@ -13,6 +13,7 @@ is fetched. A stock step and a stashed one are compared bitwise, and the kernel 
 """
 
 import dataclasses
+import functools
 import re
 import sys
 import types
@@ -159,6 +160,8 @@ def test_a_kernel_from_the_hub_is_named_with_its_repository_and_revision(monkeyp
                                     metadata=None,
                                     repo_info=types.SimpleNamespace(repo_id=HUB, revision="v4"))
     monkeypatch.setattr(kernels, "get_loaded_kernels", lambda: [fetched])
+    # No interface found before: the same functions would keep its words.
+    monkeypatch.setattr(attention_stash, "_FLASH_INTERFACES", {})
     interface = attention_stash._load_flash(attention_stash._implementation(HUB))
     assert interface.description == (f"flash-attn 2's interface from the Hub kernel {HUB} at revision v4 "
                                      f"({module.__name__})")
@@ -260,10 +263,12 @@ def test_an_interface_with_parameters_the_stash_does_not_know_is_refused_at_inst
 
     module = _interface_module(implementation)
 
-    def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, s_aux=None):
+    def newer_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, s_aux=None):
         raise AssertionError("not called")
 
-    flash_attn_varlen_func.__module__ = module.__name__
+    # The module's own function, as a release of it would define it.
+    flash_attn_varlen_func = types.FunctionType(newer_varlen_func.__code__, vars(module), "flash_attn_varlen_func",
+                                                newer_varlen_func.__defaults__)
     monkeypatch.setattr(module, "flash_attn_varlen_func", flash_attn_varlen_func)
     if implementation == HUB:
         monkeypatch.setattr(sys.modules[module.__name__.partition(".")[0]], "flash_attn_varlen_func",
@@ -361,6 +366,95 @@ def test_a_hub_kernel_registered_again_by_hugging_face_stays_served(install, mon
     assert HUB not in ALL_ATTENTION_FUNCTIONS._local_mapping and ALL_ATTENTION_FUNCTIONS[HUB] is stock
 
 
+def _exported(implementation):
+    """The module Hugging Face's lazy import reads flash_attn_func from: flash-attn 3's interface, the kernel's
+    package."""
+    module = _interface_module(implementation)
+    return module if implementation == "flash_attention_3" else sys.modules[module.__name__.partition(".")[0]]
+
+
+@pytest.mark.parametrize("replacement", ["wrapper", "none"])
+def test_functions_that_are_not_the_interfaces_own_are_refused_at_install(implementation, monkeypatch, replacement):
+    """A wrapper around flash_attn_func (functools.wraps copies its name and module), whose effect the stash's replay
+    would skip, or a kernel without flash_attn_func (a varlen-only one): refused at install, naming them."""
+    import transformers.modeling_flash_attention_utils as flash_utils
+
+    exported = _exported(implementation)
+    function = exported.flash_attn_func
+
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        return function(*args, **{**kwargs, "softcap": 5.0})
+
+    monkeypatch.setattr(exported, "flash_attn_func", wrapper if replacement == "wrapper" else None)
+    monkeypatch.setattr(flash_utils, "_loaded_implementation", None)
+    got = r"<function flash_attn_func at .*>" if replacement == "wrapper" else "None"
+    with pytest.raises(RuntimeError,
+                       match=f"needs the flash_attn_func and flash_attn_varlen_func of a flash-attn interface module "
+                       f"for attn_implementation=\"{implementation}\", got {got} and <function flash_attn_varlen_func "
+                       rf"at .*>, which are not \(a wrapper around them, or a kernel without them\)"):
+        attention_stash.install_attention_stash(kernel_model("llama", implementation), 1)
+    assert attention_stash._held is None
+
+
+def test_kernel_functions_of_another_signature_are_refused_at_install(implementation, monkeypatch):
+    """Kernel functions that take other arguments than the family's (flash-attn 2.6's took the window as a tuple):
+    refused at install, naming the function and its parameters."""
+    module = _interface_module(implementation)
+
+    def older_forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_softmax):
+        raise AssertionError("not called")
+
+    monkeypatch.setattr(module, "_flash_attn_forward", older_forward)
+    with pytest.raises(RuntimeError,
+                       match=r"got .* _flash_attn_forward\(q, k, v, dropout_p, softmax_scale, causal, window_size, "
+                       r"softcap, alibi_slopes, return_softmax\)\. Install "):
+        attention_stash.install_attention_stash(kernel_model("llama", implementation), 1)
+    assert attention_stash._held is None
+
+
+@MODES
+def test_an_install_between_a_forward_and_its_backward_leaves_it_served(install, implementation, use_reentrant):
+    """Another model's install (and a refused one) between a stashed forward and its backward: the install finds the
+    same functions, and the pending recompute is served with the ops its forward kept."""
+    model = kernel_model("llama", implementation, use_reentrant)
+    inputs, _ = make_batch("plain")
+    expected_loss, expected, _ = counted_step(model, inputs)
+    handle = install(model, 3)
+    model.zero_grad(set_to_none=True)
+    loss = model(**inputs).loss
+    install(kernel_model("llama", implementation, use_reentrant), 3)
+    with pytest.raises(RuntimeError, match="needs one install per decoder layer"):
+        attention_stash.install_attention_stash(model, 3)
+    loss.backward()
+    assert handle.recomputes_served == 3
+    assert torch.equal(loss.detach(), expected_loss)
+    assert_same_grads(param_grads(model), expected)
+
+
+def test_a_registration_after_a_hub_kernels_install_is_not_shadowed(install, monkeypatch, tmp_path_factory):
+    """The stash's entry for a Hub kernel stands in front of the library-wide registration: a function registered
+    there after the install is what an unstashed layer calls, and a stashed layer's call refuses it, naming both."""
+    from transformers.modeling_utils import AttentionInterface
+
+    use_hub_kernel(monkeypatch, tmp_path_factory, HUB)
+    model = kernel_model("llama", HUB)
+    handle = install(model, 2)
+    stock, calls = AttentionInterface._global_mapping[HUB], []
+
+    def registered(module, *args, **kwargs):
+        calls.append(module)
+        return stock(module, *args, **kwargs)
+
+    AttentionInterface.register(HUB, registered)
+    with pytest.raises(RuntimeError,
+                       match=rf"needs the attention of model\.layers\.1 to run the {HUB} function it served at the "
+                       f"install, <function flash_attention_forward at .*>, got <function .*registered at .*> "
+                       rf"registered for it since\. Register attention functions before installing the stash"):
+        model(**make_batch("plain")[0])
+    assert calls == [model.model.layers[0].self_attn] and handle.num_kept == 0
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # On the meta device, through the stand-ins' fake kernels.
 # ---------------------------------------------------------------------------------------------------------------------
@@ -444,7 +538,7 @@ def _flash3_case(varlen):
                                                 causal=True,
                                                 window_size=(3, 5),
                                                 softcap=2.5,
-                                                deterministic=True,
+                                                deterministic=False,
                                                 num_splits=3,
                                                 pack_gqa=False,
                                                 sm_margin=7,
