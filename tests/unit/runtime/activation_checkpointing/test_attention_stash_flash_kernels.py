@@ -21,6 +21,7 @@ from collections import Counter
 
 import pytest
 import torch
+import transformers
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from deepspeed.runtime.activation_checkpointing import attention_stash
@@ -28,8 +29,10 @@ from deepspeed.runtime.activation_checkpointing import attention_stash
 from attention_stash_flash import flash_attn_or_skip
 from attention_stash_flash3 import flash_kernels_or_skip, use_flash_attention_3, use_hub_kernel
 from attention_stash_helpers import (assert_same_grads, assert_stock_process, checkpointed, kept_outputs,
-                                     live_checkpoint_calls, llama_model, logged_messages, mistral_model, param_grads)
-from test_attention_stash_flash import PADDING, _live_tensors, _meta_live_tensors, _tensors, make_batch, meta_step
+                                     live_checkpoint_calls, llama_model, logged_messages, mistral_model, param_grads,
+                                     qwen3_moe_model)
+from test_attention_stash_flash import (PADDING, _live_tensors, _meta_live_tensors, _qwen3_next_model, _tensors,
+                                        make_batch, meta_step)
 
 flash_attn_or_skip()
 FLASH_ATTN_3 = flash_kernels_or_skip()
@@ -40,11 +43,15 @@ HUB = "kernels-community/flash-attn2"
 IMPLEMENTATIONS = ("flash_attention_3", HUB)
 # Each implementation: its family's name, and the multiple its output's head dimension is padded to.
 FAMILY = {"flash_attention_3": ("flash-attn 3", 1), HUB: ("flash-attn 2", 8)}
+# name: (model, attention layers)
 MODELS = {
-    "llama": lambda: llama_model(DTYPE),
+    "llama": (lambda: llama_model(DTYPE), 3),
     # 36 is not a multiple of 8: flash-attn 2 pads it to 40, flash-attn 3 keeps it.
-    "llama_head_dim_36": lambda: llama_model(DTYPE, head_dim=36),
-    "mistral_sliding_window": lambda: mistral_model(DTYPE, sliding_window=8),
+    "llama_head_dim_36": (lambda: llama_model(DTYPE, head_dim=36), 3),
+    "mistral_sliding_window": (lambda: mistral_model(DTYPE, sliding_window=8), 3),
+    "qwen3_moe": (lambda: qwen3_moe_model(DTYPE), 3),
+    # A hybrid: linear attention before each of its two softmax attention layers.
+    "qwen3_next": (lambda: _qwen3_next_model(DTYPE), 2),
 }
 BATCHES = ("plain", "padded", "packed_position_ids", "packed_cu_seq_lens")
 
@@ -60,7 +67,9 @@ def implementation(request, monkeypatch, tmp_path_factory):
 
 
 def kernel_model(name, implementation, use_reentrant=True):
-    model = MODELS[name]()
+    if name == "qwen3_next" and not hasattr(transformers, "Qwen3NextForCausalLM"):
+        pytest.skip(f"transformers {transformers.__version__} has no Qwen3NextForCausalLM")
+    model = MODELS[name][0]()
     # Hugging Face checks for CUDA builds when loading with these; set on the built model.
     model.config._attn_implementation = implementation
     return checkpointed(model, use_reentrant=use_reentrant)
@@ -108,17 +117,20 @@ def source(implementation):
 def test_a_step_is_stock(install, implementation, name, kind, use_reentrant):
     """A stock step, then a stashed one on every attention layer: the same loss and gradients bitwise, the recompute's
     attention forwards skipped, every call served, the kept bytes the planner's, nothing left after."""
+    if name == "qwen3_next" and kind == "packed_cu_seq_lens":
+        pytest.skip("Qwen3-Next's linear attention needs flash-linear-attention for cu_seqlens")
     model = kernel_model(name, implementation, use_reentrant)
+    layers = MODELS[name][1]
     inputs, (batch, sequence) = make_batch(kind)
     before = _tensors()
     forward, backward = kernel_ops(implementation, kind)
 
     expected_loss, expected, stock_calls = counted_step(model, inputs)
-    assert stock_calls == {forward: 6, backward: 3}
-    handle = install(model, 3)
+    assert stock_calls == {forward: 2 * layers, backward: layers}
+    handle = install(model, layers)
     loss, grads, stashed_calls = counted_step(model, inputs)
-    assert stashed_calls == {forward: 3, backward: 3}
-    assert (handle.recomputes_served, handle.num_kept, handle.kept_bytes) == (3, 0, 0)
+    assert stashed_calls == {forward: layers, backward: layers}
+    assert (handle.recomputes_served, handle.num_kept, handle.kept_bytes) == (layers, 0, 0)
     assert torch.equal(loss, expected_loss)
     assert_same_grads(grads, expected)
 
@@ -128,7 +140,7 @@ def test_a_step_is_stock(install, implementation, name, kind, use_reentrant):
     assert planned == batch * sequence * config.num_attention_heads * (head_dim * 2 + 4)
     # A padded batch is unpadded: the varlen kernel keeps its real tokens only.
     tokens = batch * sequence - (PADDING if kind == "padded" else 0)
-    assert handle.peak_kept_bytes == 3 * config.num_attention_heads * tokens * (head_dim * 2 + 4)
+    assert handle.peak_kept_bytes == layers * config.num_attention_heads * tokens * (head_dim * 2 + 4)
     del inputs, loss, expected_loss
     assert kept_outputs() == [] and live_checkpoint_calls() == []
     assert _live_tensors(before, model, expected, grads) == []
@@ -213,6 +225,7 @@ def test_a_recompute_with_another_deterministic_setting_is_refused(install, impl
     algorithm than the forward asked for, and the stash names the setting."""
     model = kernel_model("llama", implementation, use_reentrant)
     handle = install(model, 3)
+    before = _tensors()
     monkeypatch.setenv("FLASH_ATTENTION_DETERMINISTIC", "0")
     loss = model(**make_batch("plain")[0]).loss
     monkeypatch.setenv("FLASH_ATTENTION_DETERMINISTIC", "1")
@@ -223,7 +236,16 @@ def test_a_recompute_with_another_deterministic_setting_is_refused(install, impl
                        r"settings \(FLASH_ATTENTION_DETERMINISTIC"):
         loss.backward()
     del loss
-    assert handle.num_kept == 0 and kept_outputs() == []
+    assert handle.num_kept == 0 and kept_outputs() == [] and live_checkpoint_calls() == []
+    assert _live_tensors(before, model) == []
+
+
+def test_flash_attn_3s_backward_settings_are_compared_between_the_passes():
+    """sm_margin reaches flash-attn 3's backward, as deterministic does: a recompute with another is named."""
+    arguments = attention_stash._FlashArguments(softmax_scale=0.25, causal=True, sm_margin=0)
+    assert arguments.differing(dataclasses.replace(arguments)) is None
+    assert arguments.differing(dataclasses.replace(arguments, sm_margin=8)) == "sm_margin"
+    assert arguments.differing(dataclasses.replace(arguments, deterministic=True)) == "deterministic"
 
 
 @pytest.mark.parametrize("argument", [
@@ -447,12 +469,14 @@ def test_a_registration_after_a_hub_kernels_install_is_not_shadowed(install, mon
         return stock(module, *args, **kwargs)
 
     AttentionInterface.register(HUB, registered)
+    before = _tensors()
     with pytest.raises(RuntimeError,
                        match=rf"needs the attention of model\.layers\.1 to run the {HUB} function it served at the "
                        f"install, <function flash_attention_forward at .*>, got <function .*registered at .*> "
                        rf"registered for it since\. Register attention functions before installing the stash"):
         model(**make_batch("plain")[0])
     assert calls == [model.model.layers[0].self_attn] and handle.num_kept == 0
+    assert live_checkpoint_calls() == [] and _live_tensors(before, model) == []
 
 
 # ---------------------------------------------------------------------------------------------------------------------
