@@ -131,6 +131,8 @@ class _FlashArguments:
     num_splits: int = 1
     pack_gqa: bool = None
     sm_margin: int = 0
+    # vLLM's flash-attn 3's attention sinks (gpt-oss's), which its backward gives no gradient.
+    s_aux: torch.Tensor = None
     # The cu_seqlens' version counters at the call: a padding-free collator's reach both passes as the same tensors.
     versions: tuple = None
 
@@ -417,60 +419,56 @@ def _mask_digest(mask):
 
 # flash-attn 2 and 3, from their pip packages or a Hub kernel: flash_attn_func for plain batches,
 # flash_attn_varlen_func for padded (unpadded first) and packed ones. Their autograd functions call their interface
-# module's kernel functions, which the stash calls by name in that module with the same arguments: flash-attn 2's pad
-# the head dimension to a multiple of 8 and save (query, key, value, padded output, log-sum-exp, [cu_seqlens_q,
-# cu_seqlens_k,] rng_state); flash-attn 3's save (query, key, value, output, log-sum-exp, [cu_seqlens_q, cu_seqlens_k,
-# seqused_q, seqused_k]). So does the stash's node, its padding differentiable.
-# The keyword arguments flash-attn 2's functions pass its forward ops, after the positional ones.
-_FLASH_FORWARD_KEYWORDS = ("causal", "window_size_left", "window_size_right", "softcap", "alibi_slopes",
-                           "return_softmax")
+# module's kernel functions (plain functions, or custom ops as a Hub build's are), which the stash calls by name in
+# that module, each argument by its parameter's name, with the values those functions pass: flash-attn 2's pad the head
+# dimension to a multiple of 8 and save (query, key, value, padded output, log-sum-exp, [cu_seqlens_q, cu_seqlens_k,]
+# rng_state); flash-attn 3's save (query, key, value, output, log-sum-exp, [cu_seqlens_q, cu_seqlens_k, seqused_q,
+# seqused_k]). So does the stash's node, its padding differentiable. A kernel function's parameters not named here
+# (flash-attn 3's rotary_interleaved, scheduler_metadata) keep their defaults, as the autograd functions leave them.
 
 
-def _flash2_kernel(module, forward, q, k, v, mask, a):
-    varlen = a.varlen()
-    keywords = dict(zip(_FLASH_FORWARD_KEYWORDS, (a.causal, *a.window_size, a.softcap, a.alibi_slopes, False)))
-    if varlen:
-        keywords["block_table"] = None
-    out, lse, _, rng_state = getattr(module, forward)(q, k, v, *varlen, a.dropout_p, a.softmax_scale, **keywords)
-    return out, (lse, *varlen[:2], rng_state), ()
+def _flash_values(a):
+    """The arguments of a flash call as flash-attn's kernel functions name them, each build's names included; the
+    tensors of the call are added by the caller."""
+    values = {name: getattr(a, name) for name in _FLASH_FIELDS}
+    (left, right), values["is_causal"] = a.window_size, a.causal
+    values.update(window_size_left=left, window_size_right=right, sequed_q=a.seqused_q, sequed_k=a.seqused_k)
+    # What the autograd functions pass as none or false: no extra output, cache, rotary embedding or buffer.
+    values.update(_FLASH_NONE, return_softmax=False, zero_tensors=False)
+    return values
 
 
-def _flash2_backward(module, backward, grad, q, k, v, mask, out, tensors, scalars, a, needs_grad):
-    lse, *_, rng_state = tensors
-    grads, rng_state = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)), {"rng_state": rng_state}
-    getattr(module, backward)(grad, q, k, v, out, lse, *grads, *a.varlen(), a.dropout_p, a.softmax_scale, a.causal,
-                              *a.window_size, a.softcap, a.alibi_slopes, a.deterministic, **rng_state)
-    return grads
+_FLASH_FIELDS = tuple(field.name for field in dataclasses.fields(_FlashArguments))
+_FLASH_NONE = dict.fromkeys(("leftpad_k", "k_new", "v_new", "out", "out_", "cu_seqlens_k_new", "page_table",
+                             "kv_batch_idx", "rotary_cos", "rotary_sin", "seqlens_rotary"))
 
 
-def _flash3_kernel(module, forward, q, k, v, mask, a):
-    cu_q, cu_k, max_q, max_k = a.varlen() or (None, ) * 4
-    # After q, k, v: k_new, v_new, qv, out, cu_seqlens (q, k, k_new), seqused (q, k), max_seqlen (q, k), page_table,
-    # kv_batch_idx, leftpad_k, the rotary embedding's three, the descales (q, k, v) and softmax_scale.
-    keywords = {"causal": a.causal, "window_size": a.window_size, "attention_chunk": a.attention_chunk}
-    keywords.update(softcap=a.softcap, num_splits=a.num_splits, pack_gqa=a.pack_gqa, sm_margin=a.sm_margin)
-    out, lse, *_ = getattr(module, forward)(q, k, v, None, None, a.qv, None, cu_q, cu_k, None, a.seqused_q,
-                                            a.seqused_k, max_q, max_k, *(None, ) * 6, a.q_descale, a.k_descale,
-                                            a.v_descale, a.softmax_scale, **keywords)
-    return out, (lse, cu_q, cu_k), ()
+def _flash_kernel(module, function, parameters, rng_state, q, k, v, mask, a):
+    values = _flash_values(a)
+    values.update(q=q, k=k, v=v)
+    out, lse, *rest = getattr(module, function)(**{name: values[name] for name in parameters if name in values})
+    # flash-attn 2's forward returns its backward's rng_state last.
+    return out, (lse, *a.varlen()[:2], *(rest[-1:] if rng_state else ())), ()
 
 
-def _flash3_backward(module, backward, grad, q, k, v, mask, out, tensors, scalars, a, needs_grad):
-    cu_q, cu_k, max_q, max_k = a.varlen() or (None, ) * 4
+def _flash_backward(module, function, parameters, rng_state, grad, q, k, v, mask, out, tensors, scalars, a,
+                    needs_grad):
+    values = _flash_values(a)
     grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
-    getattr(module,
-            backward)(grad, q, k, v, out, tensors[0], cu_q, cu_k, a.seqused_q, a.seqused_k, max_q, max_k, *grads,
-                      a.softmax_scale, a.causal, a.window_size, a.softcap, a.deterministic, a.sm_margin)
+    values.update(dout=grad, q=q, k=k, v=v, out=out, softmax_lse=tensors[0], dq=grads[0], dk=grads[1], dv=grads[2])
+    if rng_state:
+        values["rng_state"] = tensors[-1]
+    getattr(module, function)(**{name: values[name] for name in parameters if name in values})
     return grads
 
 
 @dataclass(frozen=True, eq=False)
 class _FlashFamily:
-    """A flash-attn interface the stash knows, wherever it is loaded from (a pip package, a Hub kernel): its name and
+    """A flash-attn interface the stash knows, as one build has it (a pip package, a Hub kernel): its name and
     release, the parameters of its flash_attn_func and flash_attn_varlen_func beyond q, k and v, the prefixes of the
     kernel functions its autograd functions call (the first a module has), their names after the prefix (forward,
-    varlen forward, backward, varlen backward) and parameters, ``kernel`` and ``backward``, and the head-dimension
-    multiple of its output."""
+    varlen forward, backward, varlen backward) and parameters, whether its forward returns an rng_state for its
+    backward, and the head-dimension multiple of its output."""
 
     name: str
     release: str
@@ -478,15 +476,16 @@ class _FlashFamily:
     prefixes: tuple
     functions: tuple
     signatures: tuple
-    kernel: object
-    backward: object
+    rng_state: bool
     head_dim_multiple: int
 
     def ops(self, module, names, varlen):
         """Ops for flash_attn_func (or flash_attn_varlen_func) of ``module``, whose kernel functions are ``names``."""
-        forward, backward = names[varlen], names[2 + varlen]
+        (forward, backward), signatures = (names[varlen], names[2 + varlen]), self.signatures[varlen::2]
+        forward_parameters, backward_parameters = (tuple(signature.split()) for signature in signatures)
         return _Ops(f"{self.name} ({'flash_attn_varlen_func' if varlen else 'flash_attn_func'})", forward,
-                    partial(self.kernel, module, forward), partial(self.backward, module, backward), _float_mask,
+                    partial(_flash_kernel, module, forward, forward_parameters, self.rng_state),
+                    partial(_flash_backward, module, backward, backward_parameters, self.rng_state), _float_mask,
                     self.head_dim_multiple)
 
 
@@ -494,6 +493,20 @@ _FLASH_VARLEN_PARAMETERS = "cu_seqlens_q cu_seqlens_k max_seqlen_q max_seqlen_k 
 # flash-attn 2.8's kernel functions' parameters, after (dout,) q, k, v (, out, softmax_lse, dq, dk, dv).
 _FLASH2_KERNEL = ("{} dropout_p softmax_scale causal window_size_left window_size_right softcap alibi_slopes {}")
 _FLASH2_FORWARD, _FLASH2_BACKWARD = "q k v", "dout q k v out softmax_lse dq dk dv"
+# flash-attn 3's flash_attn_func and flash_attn_varlen_func parameters, and its kernel functions' (flash-attn 2.8.3's
+# hopper/flash_attn_interface.py); the Hub builds rename or add some.
+_FLASH3_PARAMETERS = (_FLASH_VARLEN_PARAMETERS + "seqused_q seqused_k softmax_scale causal qv q_descale k_descale "
+                      "v_descale window_size attention_chunk softcap num_splits pack_gqa deterministic sm_margin")
+_FLASH3_FORWARD = ("q k v k_new v_new qv out cu_seqlens_q cu_seqlens_k cu_seqlens_k_new seqused_q seqused_k "
+                   "max_seqlen_q max_seqlen_k page_table kv_batch_idx leftpad_k rotary_cos rotary_sin seqlens_rotary "
+                   "q_descale k_descale v_descale softmax_scale causal window_size attention_chunk softcap "
+                   "rotary_interleaved scheduler_metadata num_splits pack_gqa sm_margin")
+_FLASH3_BACKWARD = ("dout q k v out softmax_lse cu_seqlens_q cu_seqlens_k sequed_q sequed_k max_seqlen_q max_seqlen_k "
+                    "dq dk dv softmax_scale causal window_size softcap deterministic sm_margin")
+# kernels-community/flash-attn3: out_ for out, and both window sizes by name (is_causal in its backward).
+_HUB_FLASH3_WINDOW = ("causal window_size ", "causal window_size_left window_size_right ")
+# kernels-community/vllm-flash-attn3: no attention_chunk, and attention sinks (s_aux).
+_VLLM_FLASH3_FORWARD = _FLASH3_FORWARD.replace(" attention_chunk", "") + " s_aux"
 _FLASH_FAMILIES = (
     _FlashFamily(
         "flash-attn 2", "flash-attn 2.8",
@@ -505,20 +518,21 @@ _FLASH_FAMILIES = (
                                "return_softmax block_table leftpad_k seqused_k zero_tensors"),
          _FLASH2_KERNEL.format(_FLASH2_BACKWARD, "deterministic rng_state"),
          _FLASH2_KERNEL.format(f"{_FLASH2_BACKWARD} {_FLASH_VARLEN_PARAMETERS}",
-                               "deterministic rng_state zero_tensors")), _flash2_kernel, _flash2_backward, 8),
-    _FlashFamily(
-        "flash-attn 3", "flash-attn 3 as flash-attn 2.8.3's hopper interface",
-        frozenset(
-            (_FLASH_VARLEN_PARAMETERS + "seqused_q seqused_k softmax_scale causal qv q_descale k_descale "
-             "v_descale window_size attention_chunk softcap num_splits pack_gqa deterministic sm_margin").split()),
-        ("_flash_attn_", ), ("forward", "forward", "backward", "backward"),
-        ("q k v k_new v_new qv out cu_seqlens_q cu_seqlens_k cu_seqlens_k_new seqused_q seqused_k max_seqlen_q "
-         "max_seqlen_k page_table kv_batch_idx leftpad_k rotary_cos rotary_sin seqlens_rotary q_descale k_descale "
-         "v_descale softmax_scale causal window_size attention_chunk softcap rotary_interleaved scheduler_metadata "
-         "num_splits pack_gqa sm_margin", ) * 2 +
-        ("dout q k v out softmax_lse cu_seqlens_q cu_seqlens_k sequed_q sequed_k max_seqlen_q max_seqlen_k dq dk dv "
-         "softmax_scale causal window_size softcap deterministic sm_margin", ) * 2, _flash3_kernel, _flash3_backward,
-        1),
+                               "deterministic rng_state zero_tensors")), True, 8),
+    _FlashFamily("flash-attn 3", "flash-attn 3 as flash-attn 2.8.3's hopper interface",
+                 frozenset(_FLASH3_PARAMETERS.split()), ("_flash_attn_", ), ("forward", "forward", "backward",
+                                                                              "backward"),
+                 (_FLASH3_FORWARD, ) * 2 + (_FLASH3_BACKWARD, ) * 2, False, 1),
+    _FlashFamily("flash-attn 3", "the Hub build kernels-community/flash-attn3",
+                 frozenset(f"{_FLASH3_PARAMETERS} return_attn_probs".split()), ("_flash_attn_", ),
+                 ("forward", "forward", "backward", "backward"),
+                 (_FLASH3_FORWARD.replace(" out ", " out_ ").replace(*_HUB_FLASH3_WINDOW), ) * 2 +
+                 (_FLASH3_BACKWARD.replace(" causal window_size", " is_causal window_size_left window_size_right"), ) *
+                 2, False, 1),
+    _FlashFamily("vLLM's flash-attn 3", "the Hub build kernels-community/vllm-flash-attn3",
+                 frozenset(_FLASH3_PARAMETERS.replace(" attention_chunk", " s_aux").split()), ("_flash_attn_", ),
+                 ("forward", "forward", "backward", "backward"),
+                 (_VLLM_FLASH3_FORWARD, ) * 2 + (_FLASH3_BACKWARD, ) * 2, False, 1),
 )
 
 
@@ -753,6 +767,12 @@ class _CheckpointCall:
             raise AttentionStashError(f"{_FEATURE} needs flash-attn calls that return the attention output of plain "
                                       f"softmax attention alone in {self.stash.name}, got {unserved}="
                                       f"{getattr(a, unserved)!r}. Remove the stash from this layer.")
+        if a.s_aux is not None:
+            raise AttentionStashError(f"{_FEATURE} needs flash calls without attention sinks in {self.stash.name}, "
+                                      f"got s_aux (the layer's sinks, as gpt-oss passes them) for "
+                                      f"{interface.family.name}, whose backward gives the sinks no gradient. Remove "
+                                      f"the stash from layers with sinks, and train them with an implementation "
+                                      f"whose backward computes their gradient.")
         if isinstance(a.alibi_slopes, torch.Tensor) and a.alibi_slopes.requires_grad:
             raise AttentionStashError(f"{_FEATURE} needs ALiBi slopes that do not require grad in {self.stash.name}, "
                                       f"got learned ones, whose gradient flash-attn does not compute. Remove the "
@@ -1013,8 +1033,10 @@ def _source(module):
 
 
 def _parameters(function):
-    """The parameter names of a function, or of a torch op (its schema's)."""
-    schema = getattr(getattr(function, "default", None), "_schema", None)
+    """The parameter names of a function, or of a torch op as its schema names them: an op overload, an op packet's
+    default overload, a custom op's (torch.library.custom_op, whose own signature is (*args, **kwargs))."""
+    op = getattr(function, "_opoverload", None) or getattr(function, "default", function)
+    schema = getattr(op, "_schema", None)
     return [argument.name for argument in schema.arguments] if schema else list(inspect.signature(function).parameters)
 
 
@@ -1042,22 +1064,28 @@ def _load_flash(record):
                                   f'{varlen_function!r}, which are not (a wrapper around them, or a kernel without '
                                   f'them). Remove the wrapper, or load the model with attn_implementation="sdpa".')
     parameters = set(_parameters(function) + _parameters(varlen_function)) - {"q", "k", "v"}
-    # The family whose functions take these parameters, else the one of which fewest are unknown.
-    family = min(_FLASH_FAMILIES, key=lambda family: len(parameters - family.parameters))
-    prefix = next((prefix for prefix in family.prefixes if hasattr(module, prefix + family.functions[0])),
-                  family.prefixes[0])
-    names = [prefix + function for function in family.functions]
-    unknown = sorted(parameters - family.parameters)
-    differences = [f"{', '.join(unknown)} in its functions' parameters"] if unknown else []
-    for kernel, signature in dict(zip(names, family.signatures)).items():
-        if not callable(getattr(module, kernel, None)):
-            differences.append(f"without {kernel}")
-        elif _parameters(getattr(module, kernel)) != signature.split():
-            differences.append(f"{kernel}({', '.join(_parameters(getattr(module, kernel)))})")
-    if differences:
+
+    def differences(family):
+        """Where the module differs from the family's build: (kernel function names, what differs)."""
+        prefix = next((prefix for prefix in family.prefixes if hasattr(module, prefix + family.functions[0])),
+                      family.prefixes[0])
+        names = [prefix + function for function in family.functions]
+        unknown = sorted(parameters - family.parameters)
+        found = [f"{', '.join(unknown)} in its functions' parameters"] if unknown else []
+        for kernel, signature in dict(zip(names, family.signatures)).items():
+            if not callable(getattr(module, kernel, None)):
+                found.append(f"without {kernel}")
+            elif _parameters(getattr(module, kernel)) != signature.split():
+                found.append(f"{kernel}({', '.join(_parameters(getattr(module, kernel)))})")
+        return names, found
+
+    # The first family whose build the module is, else the one it differs from least, for the error.
+    family, (names, differing) = min(((family, differences(family)) for family in _FLASH_FAMILIES),
+                                     key=lambda found: len(found[1][1]))
+    if differing:
         raise AttentionStashError(f"{_FEATURE} needs {family.name}'s interface as {family.release} has it for "
                                   f"attn_implementation=\"{name}\", got {_source(module)} ({module.__name__}) "
-                                  f"{'; '.join(differences)}. Install {family.release}, or load the model with "
+                                  f"{'; '.join(differing)}. Install {family.release}, or load the model with "
                                   f"attn_implementation=\"sdpa\".")
     interface = _FLASH_INTERFACES.get(name)
     if interface is None or (interface.function, interface.varlen_function,
@@ -1128,6 +1156,13 @@ _IMPLEMENTATIONS = {
 _HUB_KERNEL = _Implementation(None, _FLASH_CALLS, "qk_head_dim", _flash_copy, _load_flash, _flash_layout,
                               ("the Hub kernel {name}", "loaded by the kernels package"), True)
 _HUB_KERNEL_NAME = re.compile(r"[^/:@|\s]+/[^/:@|\s]+(@[^/:@|\s]+)?")
+
+
+# Flash implementations that Hugging Face serves and the stash refuses at install, with the reason.
+_REFUSED = dict.fromkeys(("flash_attention_4", "kernels-community/flash-attn4"), (
+    "flash-attn 4 (flash_attn.cute, from the flash-attn-4 pre-release or the Hub kernel "
+    "kernels-community/flash-attn4) is not served yet: its builds' kernel functions take other arguments and return "
+    "other outputs from one beta to the next, and the stash has no replay of them checked against their own backward"))
 
 
 def _implementation(name):
@@ -1605,6 +1640,12 @@ class _LayerPlan:
 
     def served(self, model):
         """The implementation's record; raises for one the stash does not serve."""
+        refused = _REFUSED.get(str(self.implementation).partition("@")[0])
+        if refused is not None:
+            raise AttentionStashError(f'{_FEATURE} cannot serve attn_implementation "{self.implementation}" of '
+                                      f'{self.name}: {refused}. Load the model with attn_implementation='
+                                      f'"flash_attention_3" (flash-attn 3, or its Hub kernel), "flash_attention_2" or '
+                                      f'"sdpa", or train it without the stash.')
         record = _implementation(self.implementation)
         if record is None:
             raise AttentionStashError(f'{_FEATURE} needs a Hugging Face model with attn_implementation "sdpa", '

@@ -1,23 +1,26 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""flash-attn 3 and a Hub flash-attn 2 kernel on a machine without CUDA, for the attention stash tests.
+"""flash-attn 3 and Hub kernels on a machine without CUDA, for the attention stash tests.
 
-Two more ways into Hugging Face's flash attention path, beside attention_stash_flash's flash_attention_2:
+More ways into Hugging Face's flash attention path, beside attention_stash_flash's flash_attention_2:
 
 * "flash_attention_3": transformers imports ``flash_attn_interface``, flash-attn 3's Python layer (flash-attn 2.8.3's
   wheel ships it as ``hopper/flash_attn_interface.py``), which calls the ops ``flash_attn_3::fwd`` and ``bwd`` that
   flash-attn 3's compiled ``flash_attn_3._C`` registers. import_flash_attn_3 defines those ops here.
-* "kernels-community/flash-attn2": transformers loads a Hub kernel through the ``kernels`` package.
-  build_flash_attn2_kernel writes a local kernel repository whose Python layer is flash-attn 2.8.3's interface as a Hub
-  build has it, calling the ops ``<namespace>::fwd``, ``varlen_fwd``, ``bwd`` and ``varlen_bwd`` defined here;
-  use_hub_kernel points ``kernels`` at it with LOCAL_KERNELS.
+* Hub kernels, which transformers loads through the ``kernels`` package: "kernels-community/flash-attn2" (also
+  transformers' fallback for "flash_attention_2"), "kernels-community/flash-attn3" and
+  "kernels-community/vllm-flash-attn3" (transformers' fallback for "flash_attention_3"). build_hub_kernel writes a
+  local kernel repository whose Python layer is the build's mirror in hub_builds/ (each names the real file it mirrors:
+  custom ops where the real build has them, plain functions where it has those), and defines the build's compiled ops
+  in its namespace here with the real builds' schemas; use_hub_kernel points ``kernels`` at it with LOCAL_KERNELS.
 
-The ops' CPU kernels delegate to attention_stash_flash's stand-ins, so all three paths compute the same values; their
-fake kernels give the shapes only, for the meta device. Inputs the stand-ins do not implement raise
-NotImplementedError.
+The ops' CPU kernels delegate to attention_stash_flash's stand-ins, so all paths compute the same values; their fake
+kernels give the shapes only, for the meta device. Inputs the stand-ins do not implement raise NotImplementedError.
 """
 
+
+import dataclasses
 import hashlib
 import importlib
 import importlib.metadata
@@ -27,12 +30,13 @@ import os
 import pathlib
 import sys
 import types
+from functools import reduce
 
 import torch
 
 from attention_stash_flash import (_LAZY_FLASH_NAMES, _ROW_BLOCK, INSTALL_HINT, REQUIRED, _outside_autocast, _round_up,
                                    flash_backward_cpu, flash_forward_cpu, flash_varlen_backward_cpu,
-                                   flash_varlen_forward_cpu, import_flash_attn)
+                                   flash_varlen_forward_cpu)
 
 # flash-attn 3's schemas, as hopper/flash_api.cpp registers them (TORCH_LIBRARY(flash_attn_3, m)).
 _FA3_FWD = ("fwd(Tensor q, Tensor k, Tensor v, Tensor(k_new!)? k_new=None, Tensor(v_new!)? v_new=None, "
@@ -50,6 +54,17 @@ _FA3_BWD = ("bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor s
             "float? softmax_scale=None, bool is_causal=False, int window_size_left=-1, int window_size_right=-1, "
             "float softcap=0.0, bool deterministic=False, int sm_margin=0) "
             "-> (Tensor(dq!), Tensor(dk!), Tensor(dv!), Tensor, Tensor, Tensor, Tensor, Tensor)")
+# kernels-community/flash-attn3's (flash-attn/flash_api_stable.cpp): flash-attn 3's, its bwd returning softmax_d and
+# four workspaces, dq, dk and dv written in place.
+_HUB_FA3_BWD = _FA3_BWD.replace("-> (Tensor(dq!), Tensor(dk!), Tensor(dv!), Tensor, Tensor, Tensor, Tensor, Tensor)",
+                                "-> (Tensor, Tensor, Tensor, Tensor, Tensor)")
+# kernels-community/vllm-flash-attn3's (flash-attn/flash_api_stable.cpp): no attention_chunk, a softmax_scale of 0.0 by
+# default, k_new and v_new not written, and attention sinks (s_aux) last.
+_VLLM_FA3_FWD = reduce(lambda schema, change: schema.replace(*change),
+                       (("Tensor(k_new!)? k_new", "Tensor? k_new"), ("Tensor(v_new!)? v_new", "Tensor? v_new"),
+                        ("float? softmax_scale=None", "float softmax_scale=0.0"), ("int attention_chunk=0, ", ""),
+                        ("int sm_margin=0)", "int sm_margin=0, Tensor? s_aux=None)")), _FA3_FWD)
+_VLLM_FA3_BWD = _FA3_BWD.replace("float? softmax_scale=None", "float softmax_scale=0.0")
 # flash-attn 2's mha_fwd, mha_varlen_fwd, mha_bwd and mha_varlen_bwd (csrc/flash_attn/flash_api.cpp) in the argument
 # order of flash-attn 2.8.3's calls and a Hub build's torch_binding.cpp, which returns Tensor[] as here; here only the
 # buffers the kernels write (out, dq, dk, dv) are marked mutable.
@@ -72,17 +87,17 @@ _FA2_OPS = (
     "Tensor? rng_state) -> Tensor[]",
 )
 # flash-attn 3's arguments the stand-in does not implement (num_splits, pack_gqa, sm_margin and deterministic change
-# no value it computes).
+# no value it computes), vLLM's attention sinks among them.
 _FA3_UNSUPPORTED = ("k_new", "v_new", "q_v", "cu_seqlens_k_new", "seqused_q", "seqused_k", "page_table",
                     "kv_batch_idx", "leftpad_k", "rotary_cos", "rotary_sin", "seqlens_rotary", "q_descale",
-                    "k_descale", "v_descale", "scheduler_metadata")
+                    "k_descale", "v_descale", "scheduler_metadata", "s_aux")
 _KERNEL_EXPORTS = ("flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func",
                    "flash_attn_varlen_func", "flash_attn_varlen_kvpacked_func", "flash_attn_varlen_qkvpacked_func",
                    "flash_attn_with_kvcache")
 
 _libraries = {}  # namespace -> torch.library.Library: ops stay registered while their Library lives
 _defined = set()  # (namespace, op name)
-_hub_kernel_path = None
+_hub_kernel_paths = {}  # repository -> its variant folder, built once per process
 
 
 def import_flash_attn_3():
@@ -148,46 +163,42 @@ def use_flash_attention_3(monkeypatch):
     _clear_lazy_flash(monkeypatch, flash_utils)
 
 
-def build_flash_attn2_kernel(root):
-    """Write a local Hub kernel repository for flash-attn 2 under ``root`` and return its build variant's folder
-    (``root/flash-attn2/build/torch-cpu``), the path to give LOCAL_KERNELS.
+def build_hub_kernel(root, repo_id):
+    """Write a local Hub kernel repository for ``repo_id`` (a key of HUB_BUILDS) under ``root`` and return its build
+    variant's folder (``root/<name>/build/torch-cpu``), the path to give LOCAL_KERNELS.
 
-    The variant holds flash-attn 2.8.3's flash_attn_interface.py as a Hub build has it (its kernels are
-    ``_ops.ops = torch.ops.<namespace>``, no flash_attn custom ops, no ``_wrapped_flash_attn_*``), _ops.py, an
-    __init__.py exporting flash-attn's functions and metadata.json, whose id (the module's name in sys.modules) is
-    the namespace, ``_flash_attn2_`` and a hash of the interface text. Registers the namespace's ops (once per
-    process).
+    The variant holds the build's mirror from hub_builds/ as flash_attn_interface.py, an _ops.py as the build's
+    (``ops = torch.ops.<namespace>`` and ``add_op_namespace_prefix``), an __init__.py exporting the mirror's
+    flash_attn_func and flash_attn_varlen_func, and metadata.json, whose id (the module's name in sys.modules and its
+    ops' namespace) is ``_<package>_`` and a hash of the mirror's text. Defines the namespace's compiled ops (once per
+    process) before the kernels package imports the mirror, whose custom ops register in that namespace.
     """
-    source = pathlib.Path(import_flash_attn().__file__).read_text()
-    for old, new in (("import flash_attn_2_cuda as flash_attn_gpu", "from ._ops import ops as flash_attn_gpu"),
-                     ('torch.__version__ >= "2.4.0"', "False"), ("_wrapped_flash_attn_", "_flash_attn_")):
-        if old not in source:
-            raise ImportError(f"flash_attn/flash_attn_interface.py has no {old!r}; install with: {INSTALL_HINT}")
-        source = source.replace(old, new)
-    namespace = "_flash_attn2_" + hashlib.sha256(source.encode()).hexdigest()[:7]
-    # The fields kernels 0.17.2 requires. Version 4: the one transformers asks for (with torch >= 2.10).
-    metadata = dict(id=namespace, name="flash-attn2", version=4, license="BSD-3-Clause", backend={"type": "cpu"})
+    build = HUB_BUILDS[repo_id]
+    source = (pathlib.Path(__file__).parent / "hub_builds" / f"{build.package}.py").read_text()
+    namespace = f"_{build.package}_" + hashlib.sha256(source.encode()).hexdigest()[:7]
+    # The fields kernels 0.17.2 requires; the version transformers asks for (FLASH_ATTN_KERNEL_VERSIONS).
+    metadata = dict(id=namespace, name=repo_id.partition("/")[2], version=build.version, license="BSD-3-Clause",
+                    backend={"type": "cpu"})
     metadata["python-depends"] = []
     ops = (f"import torch\n\nops = torch.ops.{namespace}\n\n\ndef add_op_namespace_prefix(op_name: str):\n"
            f'    """Prefix op by namespace."""\n    return f"{namespace}::{{op_name}}"\n')
-    init = f"from .flash_attn_interface import {', '.join(_KERNEL_EXPORTS)}\n\n__all__ = {list(_KERNEL_EXPORTS)!r}\n"
+    exports = ("flash_attn_func", "flash_attn_varlen_func")
+    init = f"from .flash_attn_interface import {', '.join(exports)}\n\n__all__ = {list(exports)!r}\n"
     files = {"flash_attn_interface.py": source, "_ops.py": ops, "__init__.py": init}
     files["metadata.json"] = json.dumps(metadata, indent=2) + "\n"
-    variant = pathlib.Path(root) / "flash-attn2" / "build" / "torch-cpu"
+    variant = pathlib.Path(root) / metadata["name"] / "build" / "torch-cpu"
     variant.mkdir(parents=True, exist_ok=True)
     for name, text in files.items():
         (variant / name).write_text(text)
-    kernels = (_hub_forward_cpu, _hub_varlen_forward_cpu, _hub_backward_cpu, _hub_varlen_backward_cpu)
-    fakes = (_hub_forward_fake, _hub_forward_fake, _hub_backward_fake, _hub_backward_fake)
-    for schema, kernel, fake in zip(_FA2_OPS, kernels, fakes):
+    for schema, kernel, fake in build.ops:
         _define(namespace, schema, kernel, fake)
     return variant
 
 
 def use_hub_kernel(monkeypatch, tmp_path_factory_or_root, repo_id="kernels-community/flash-attn2"):
-    """Make transformers load ``repo_id`` from the local kernel repository (build_flash_attn2_kernel, built once per
-    process under a pytest tmp_path_factory's new folder or the given root) for the rest of the test; return the
-    kernel module.
+    """Make transformers load ``repo_id`` (a key of HUB_BUILDS) from its local kernel repository (build_hub_kernel,
+    built once per process under a pytest tmp_path_factory's new folder or the given root) for the rest of the test;
+    return the kernel module.
 
     Sets LOCAL_KERNELS and HF_HUB_OFFLINE, lets transformers use the installed ``kernels``, clears transformers'
     cached flash functions and ``repo_id``'s attention registrations (monkeypatch restores all of it), and loads the
@@ -201,11 +212,12 @@ def use_hub_kernel(monkeypatch, tmp_path_factory_or_root, repo_id="kernels-commu
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    global _hub_kernel_path
-    if _hub_kernel_path is None or not _hub_kernel_path.exists():
+    path = _hub_kernel_paths.get(repo_id)
+    if path is None or not path.exists():
         root = tmp_path_factory_or_root
-        _hub_kernel_path = build_flash_attn2_kernel(root.mktemp("hub_kernel") if hasattr(root, "mktemp") else root)
-    monkeypatch.setenv("LOCAL_KERNELS", f"{repo_id}={_hub_kernel_path}")
+        root = root.mktemp("hub_kernel") if hasattr(root, "mktemp") else pathlib.Path(root)
+        path = _hub_kernel_paths[repo_id] = build_hub_kernel(root, repo_id)
+    monkeypatch.setenv("LOCAL_KERNELS", f"{repo_id}={path}")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # read at import; kernels reads this
     # transformers 5.24 asks for kernels >= 0.18.2, < 0.19 (5.22.2: >= 0.17.2, < 0.18), and binds get_kernel_hub only
@@ -219,7 +231,7 @@ def use_hub_kernel(monkeypatch, tmp_path_factory_or_root, repo_id="kernels-commu
         mapping = {key: value for key, value in type(interface)._global_mapping.items() if key != repo_id}
         monkeypatch.setattr(type(interface), "_global_mapping", mapping)
     flash_utils.lazy_import_flash_attention(repo_id)
-    return kernels.get_kernel(repo_id, version=4)
+    return kernels.get_kernel(repo_id, version=HUB_BUILDS[repo_id].version)
 
 
 def _clear_lazy_flash(monkeypatch, flash_utils):
@@ -402,3 +414,39 @@ def _hub_forward_fake(q, out, cu_seqlens_q=None, **others):
 def _hub_backward_fake(q, k, v, dq, dk, dv, cu_seqlens_q=None, **others):
     """bwd and varlen_bwd on the meta device."""
     return [*_gradient_buffers(q, k, v, dq, dk, dv), _softmax_d(q, cu_seqlens_q)]
+
+
+def _hub_fa3_backward_cpu(**arguments):
+    """kernels-community/flash-attn3's bwd: flash_attn_3::bwd's stand-in, returning softmax_d and the workspaces."""
+    _, _, _, softmax_d, *workspaces = _fa3_backward_cpu(**arguments)
+    return softmax_d, *workspaces
+
+
+def _hub_fa3_backward_fake(**arguments):
+    _, _, _, softmax_d, *workspaces = _fa3_backward_fake(**arguments)
+    return softmax_d, *workspaces
+
+
+@dataclasses.dataclass(frozen=True)
+class HubBuild:
+    """A Hub build the tests mirror: its package (its mirror is hub_builds/<package>.py), the version transformers asks
+    for, and its compiled ops as (schema, CPU kernel, fake kernel)."""
+
+    package: str
+    version: int
+    ops: tuple
+
+
+_FA2_CPU_KERNELS = (_hub_forward_cpu, _hub_varlen_forward_cpu, _hub_backward_cpu, _hub_varlen_backward_cpu)
+HUB_BUILDS = {
+    "kernels-community/flash-attn2":
+    HubBuild("flash_attn2", 4,
+             tuple(zip(_FA2_OPS, _FA2_CPU_KERNELS, (_hub_forward_fake, _hub_forward_fake, _hub_backward_fake,
+                                                    _hub_backward_fake)))),
+    "kernels-community/flash-attn3":
+    HubBuild("flash_attn3", 1, ((_FA3_FWD, _fa3_forward_cpu, _fa3_forward_fake),
+                                (_HUB_FA3_BWD, _hub_fa3_backward_cpu, _hub_fa3_backward_fake))),
+    "kernels-community/vllm-flash-attn3":
+    HubBuild("vllm_flash_attn3", 1, ((_VLLM_FA3_FWD, _fa3_forward_cpu, _fa3_forward_fake),
+                                     (_VLLM_FA3_BWD, _fa3_backward_cpu, _fa3_backward_fake))),
+}

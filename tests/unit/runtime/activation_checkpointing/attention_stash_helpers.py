@@ -5,6 +5,7 @@
 
 import contextlib
 import gc
+import inspect
 import logging
 import os
 import socket
@@ -267,3 +268,42 @@ def assert_stock_process():
     assert "flash_attention_2" not in ALL_ATTENTION_FUNCTIONS._local_mapping
     assert "_gradient_checkpointing_func" not in GradientCheckpointingLayer.__dict__
     assert not attention_stash._STASHES and attention_stash._held is None
+
+
+def bound_arguments(function, args, kwargs):
+    """One call's arguments by parameter name, defaults filled in, whatever the form of the call (positional or by
+    keyword): for a plain function by its signature, for a torch op (an op packet, a custom op, whose own signature is
+    (*args, **kwargs)) by its schema."""
+    op = getattr(function, "_opoverload", None) or getattr(function, "default", None)
+    if op is None:
+        bound = inspect.signature(function).bind(*args, **kwargs)
+        bound.apply_defaults()
+        return dict(bound.arguments)
+    values = dict(zip((argument.name for argument in op._schema.arguments), args), **kwargs)
+    for argument in op._schema.arguments:
+        if argument.name not in values:
+            assert argument.has_default_value(), f"{op} called without {argument.name}"
+            values[argument.name] = argument.default_value
+    return values
+
+
+def same_value(ours, theirs):
+    """Whether two arguments are the same: tensors of one shape and dtype, equal; anything else of one type, equal."""
+    if isinstance(theirs, torch.Tensor) or isinstance(ours, torch.Tensor):
+        return (isinstance(ours, torch.Tensor) and isinstance(theirs, torch.Tensor) and ours.shape == theirs.shape
+                and ours.dtype == theirs.dtype and torch.equal(ours, theirs))
+    return type(ours) is type(theirs) and ours == theirs
+
+
+def assert_same_calls(ours, theirs):
+    """The same kernel functions called with the same value for every parameter (bound_arguments' records, defaults
+    filled in); dq, dk and dv, buffers the kernel fills, empty_like the (padded) query, key and value, by shape and
+    dtype."""
+    assert [name for name, _ in ours] == [name for name, _ in theirs]
+    for (name, mine), (_, their) in zip(ours, theirs):
+        assert list(mine) == list(their), name
+        for parameter, value in their.items():
+            if parameter in ("dq", "dk", "dv"):
+                assert (mine[parameter].shape, mine[parameter].dtype) == (value.shape, value.dtype), (name, parameter)
+            else:
+                assert same_value(mine[parameter], value), (name, parameter)

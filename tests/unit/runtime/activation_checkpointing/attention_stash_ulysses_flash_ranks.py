@@ -4,7 +4,7 @@
 """Run by test_attention_stash_ulysses_flash.py under torchrun with two ranks over gloo: the stash under DeepSpeed's
 Ulysses sequence parallelism (ALST, UlyssesSPAttentionHF.register_with_transformers) with the flash implementation
 given as the second argument as its core: "flash_attention_2" (flash-attn 2's Python layer), "flash_attention_3"
-(flash-attn 3's) or "kernels-community/flash-attn2" (a local Hub kernel), over the CPU stand-in kernels of
+(flash-attn 3's) or a Hub kernel of attention_stash_flash3.HUB_BUILDS (a local repository), over the CPU stand-ins of
 attention_stash_flash.py and attention_stash_flash3.py.
 
 For each checkpoint mode and each batch kind, a tiny Llama trains one step on each rank's shard with ALST alone, which
@@ -44,20 +44,20 @@ FLASH = sys.argv[2]
 SEQUENCE = 32
 # The packed batch's documents, of 10 and 22 tokens: rank 0's shard holds the boundary.
 DOCUMENTS = (10, 22)
+# The forward ops seen by name: the kernel functions that are custom ops, and compiled forward ops called directly.
+FORWARD_OPS = ("_flash_attn_forward", "_flash_attn_varlen_forward", "fwd", "varlen_fwd")
 
 
-def forward_op(func, args):
-    """(batch kind, the query's cu_seqlens) of a forward op of flash-attn 2, flash-attn 3 or the Hub kernel; None for
-    any other op."""
+def forward_op(func, args, kwargs):
+    """(batch kind, the query's cu_seqlens) of a forward op of flash-attn 2, flash-attn 3 or a Hub kernel (its kernel
+    function where that is a custom op, else the compiled op it calls); None for any other op."""
     namespace, _, name = func.overloadpacket._qualified_op_name.partition("::")
-    if namespace == "flash_attn" and name in ("_flash_attn_forward", "_flash_attn_varlen_forward"):
-        cu_seqlens = args[3] if "varlen" in name else None
-    elif namespace == "flash_attn_3" and name == "fwd":
-        cu_seqlens = args[7] if len(args) > 7 else None
-    elif namespace.startswith("_flash_attn2_") and name in ("fwd", "varlen_fwd"):
-        cu_seqlens = args[4] if name == "varlen_fwd" else None
-    else:
+    if not (namespace in ("flash_attn", "flash_attn_3") or namespace.startswith(
+        ("_flash_attn2_", "_flash_attn3_", "_vllm_flash_attn3_"))) or name not in FORWARD_OPS:
         return None
+    # By name: the dispatcher leaves out trailing arguments that equal their defaults.
+    names = (argument.name for argument in func._schema.arguments)
+    cu_seqlens = {**dict(zip(names, args)), **kwargs}.get("cu_seqlens_q")
     return ("dense", None) if cu_seqlens is None else ("varlen", cu_seqlens)
 
 
@@ -79,7 +79,7 @@ class FlashForwardCalls(TorchDispatchMode):
         self.cu_seqlens = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        found = forward_op(func, args)
+        found = forward_op(func, args, kwargs or {})
         if found is not None:
             kind, cu_seqlens = found
             self.calls[kind] += 1

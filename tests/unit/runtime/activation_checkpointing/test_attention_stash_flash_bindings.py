@@ -7,8 +7,9 @@ package's and a Hub build's (test_attention_stash_flash_kernels.py binds flash-a
 The stash calls flash-attn's forward kernel op as FlashAttnFunc (FlashAttnVarlenFunc) calls it, and its recompute node
 saves what that function saves and calls flash-attn's backward op as that function's backward does. Here recorders
 stand in for flash-attn's kernel functions (``flash_attn_interface._wrapped_flash_attn_*`` in the package, the same
-without "_wrapped" in a Hub build, through which flash-attn's functions call its ops), returning sentinels of distinct values; flash-attn's function and the stash run on the same
-inputs, and every argument of every kernel call, and every saved tensor, is compared position by position. The
+without "_wrapped" in a Hub build, custom ops there, through which flash-attn's functions call its ops), returning
+sentinels of distinct values; flash-attn's function and the stash run on the same inputs, and every argument of every
+kernel call (by parameter name, defaults filled in), and every saved tensor, is compared. The
 arguments that share a type get distinct values (cu_seqlens_q and cu_seqlens_k, the max lengths, the two window
 sizes), so that a swap of two of them fails here, as the planted swap below shows.
 """
@@ -23,7 +24,7 @@ from deepspeed.runtime.activation_checkpointing import attention_stash
 
 from attention_stash_flash import flash_attn_or_skip, use_flash_attention_2
 from attention_stash_flash3 import flash_kernels_or_skip, use_hub_kernel
-from attention_stash_helpers import bare_call
+from attention_stash_helpers import assert_same_calls, bare_call, bound_arguments, same_value
 
 FLASH_ATTN = flash_attn_or_skip()
 FAMILY = attention_stash._FLASH_FAMILIES[0]
@@ -59,20 +60,22 @@ class Recorder:
         self.module = sys.modules[interface.function.__module__]
         for ops in (interface.ops, interface.varlen_ops):
             for name in (ops.op, ops.op.replace("forward", "backward")):
-                monkeypatch.setattr(self.module, name, self._kernel(name))
+                monkeypatch.setattr(self.module, name, self._kernel(name, getattr(self.module, name)))
 
-    def _kernel(self, name):
+    def _kernel(self, name, original):
 
         def kernel(*args, **kwargs):
-            self.calls.append((name, args, kwargs))
-            query = args[0] if "forward" in name else args[1]
+            # Each call by parameter name, as the kernel function it stands in for binds it.
+            bound = bound_arguments(original, args, kwargs)
+            self.calls.append((name, bound))
+            query = bound["q"]
             if "forward" in name:
                 varlen = "varlen" in name
                 lse_shape = (HEADS, query.shape[0]) if varlen else (query.shape[0], HEADS, query.shape[1])
                 return (torch.full_like(query, 7.0), torch.full(lse_shape,
                                                                 11.0), query.new_empty(0), torch.tensor([13, 17]))
-            for position, value in zip((6, 7, 8), (19.0, 23.0, 29.0)):
-                args[position].fill_(value)
+            for buffer, value in zip(("dq", "dk", "dv"), (19.0, 23.0, 29.0)):
+                bound[buffer].fill_(value)
             return torch.empty(0)
 
         return kernel
@@ -133,27 +136,6 @@ def _ours(recorder, ops, query, key, value, arguments, grad):
     return out, saved, grads, recorder.calls[start:]
 
 
-def _same(ours, theirs):
-    if isinstance(theirs, torch.Tensor) or isinstance(ours, torch.Tensor):
-        return (isinstance(ours, torch.Tensor) and isinstance(theirs, torch.Tensor) and ours.shape == theirs.shape
-                and ours.dtype == theirs.dtype and torch.equal(ours, theirs))
-    return type(ours) is type(theirs) and ours == theirs
-
-
-def _assert_same_calls(ours, theirs):
-    assert [name for name, _, _ in ours] == [name for name, _, _ in theirs]
-    for (name, our_args, our_kwargs), (_, their_args, their_kwargs) in zip(ours, theirs):
-        assert len(our_args) == len(their_args) and our_kwargs.keys() == their_kwargs.keys(), name
-        for position, (mine, their) in enumerate(zip(our_args, their_args)):
-            if "backward" in name and position in (6, 7, 8):
-                # dq, dk and dv: buffers the kernel fills, empty_like the padded query, key and value.
-                assert (mine.shape, mine.dtype) == (their.shape, their.dtype), (name, position)
-            else:
-                assert _same(mine, their), (name, position)
-        for keyword, their in their_kwargs.items():
-            assert _same(our_kwargs[keyword], their), (name, keyword)
-
-
 @pytest.mark.parametrize("head_dim", [16, 36], ids=["head_dim_16", "head_dim_36_padded"])
 @pytest.mark.parametrize("varlen", [False, True], ids=["flash_attn_func", "flash_attn_varlen_func"])
 def test_kernel_calls_and_saves_follow_flash_attns_functions(monkeypatch, interface, varlen, head_dim):
@@ -168,14 +150,14 @@ def test_kernel_calls_and_saves_follow_flash_attns_functions(monkeypatch, interf
     their_out, their_saved, their_grads, their_calls = _theirs(recorder, varlen, query, key, value, arguments, grad)
     out, saved, grads, calls = _ours(recorder, ops, query, key, value, arguments, grad)
 
-    _assert_same_calls(calls, their_calls)
+    assert_same_calls(calls, their_calls)
     # (query, key, value, padded output, log-sum-exp, [cu_seqlens_q, cu_seqlens_k,] rng_state)
     assert len(saved) == len(their_saved) == (8 if varlen else 6)
-    assert all(_same(mine, their) for mine, their in zip(saved, their_saved))
-    assert _same(out, their_out)
-    assert all(_same(mine, their) for mine, their in zip(grads, their_grads))
+    assert all(same_value(mine, their) for mine, their in zip(saved, their_saved))
+    assert same_value(out, their_out)
+    assert all(same_value(mine, their) for mine, their in zip(grads, their_grads))
     # The padded head dimension reached the kernels, and the gradients were sliced back.
-    assert their_calls[0][1][0].shape[-1] == head_dim + -head_dim % 8 and grads[0].shape == query.shape
+    assert their_calls[0][1]["q"].shape[-1] == head_dim + -head_dim % 8 and grads[0].shape == query.shape
 
 
 def test_a_planted_swap_is_caught(monkeypatch):
@@ -196,8 +178,8 @@ def test_a_planted_swap_is_caught(monkeypatch):
 
     *_, calls = _ours(recorder, dataclasses.replace(ops, backward=swapped_backward), query, key, value, arguments,
                       grad)
-    with pytest.raises(AssertionError, match="_wrapped_flash_attn_varlen_backward', 16"):
-        _assert_same_calls(calls, their_calls)
+    with pytest.raises(AssertionError, match="_wrapped_flash_attn_varlen_backward', 'window_size_left'"):
+        assert_same_calls(calls, their_calls)
 
 
 def test_the_install_finds_flash_attns_interface(monkeypatch):

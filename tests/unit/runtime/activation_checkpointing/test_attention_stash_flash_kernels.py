@@ -14,6 +14,7 @@ is fetched. A stock step and a stashed one are compared bitwise, and the kernel 
 
 import dataclasses
 import functools
+import inspect
 import re
 import sys
 import types
@@ -27,10 +28,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from deepspeed.runtime.activation_checkpointing import attention_stash
 
 from attention_stash_flash import flash_attn_or_skip
-from attention_stash_flash3 import flash_kernels_or_skip, use_flash_attention_3, use_hub_kernel
-from attention_stash_helpers import (assert_same_grads, assert_stock_process, checkpointed, kept_outputs,
-                                     live_checkpoint_calls, llama_model, logged_messages, mistral_model, param_grads,
-                                     qwen3_moe_model)
+from attention_stash_flash3 import HUB_BUILDS, flash_kernels_or_skip, use_flash_attention_3, use_hub_kernel
+from attention_stash_helpers import (assert_same_calls, assert_same_grads, assert_stock_process, bound_arguments,
+                                     checkpointed, kept_outputs, live_checkpoint_calls, llama_model, logged_messages,
+                                     mistral_model, param_grads, qwen3_moe_model, same_value)
 from test_attention_stash_flash import (PADDING, _live_tensors, _meta_live_tensors, _qwen3_next_model, _tensors,
                                         make_batch, meta_step)
 
@@ -39,10 +40,26 @@ FLASH_ATTN_3 = flash_kernels_or_skip()
 
 DTYPE = torch.bfloat16
 MODES = pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non_reentrant"])
-HUB = "kernels-community/flash-attn2"
-IMPLEMENTATIONS = ("flash_attention_3", HUB)
+# The Hub builds mirrored in hub_builds/: flash-attn 2's (custom ops), flash-attn 3's (custom ops) and vLLM's
+# flash-attn 3 (plain functions); transformers' fallbacks for flash_attention_2 and flash_attention_3.
+HUBS = ("kernels-community/flash-attn2", "kernels-community/flash-attn3", "kernels-community/vllm-flash-attn3")
+HUB = HUBS[0]
+IMPLEMENTATIONS = ("flash_attention_3", *HUBS)
 # Each implementation: its family's name, and the multiple its output's head dimension is padded to.
-FAMILY = {"flash_attention_3": ("flash-attn 3", 1), HUB: ("flash-attn 2", 8)}
+FAMILY = {
+    "flash_attention_3": ("flash-attn 3", 1),
+    HUBS[0]: ("flash-attn 2", 8),
+    HUBS[1]: ("flash-attn 3", 1),
+    HUBS[2]: ("vLLM's flash-attn 3", 1)
+}
+# A Hub build's kernel functions that are custom ops, by the compiled op each calls (the name counted).
+HUB_NAMESPACES = ("_flash_attn2_", "_flash_attn3_", "_vllm_flash_attn3_")
+KERNEL_FUNCTION_OPS = {
+    "_flash_attn_forward": "fwd",
+    "_flash_attn_varlen_forward": "varlen_fwd",
+    "_flash_attn_backward": "bwd",
+    "_flash_attn_varlen_backward": "varlen_bwd"
+}
 # name: (model, attention layers)
 MODELS = {
     "llama": (lambda: llama_model(DTYPE), 3),
@@ -54,6 +71,10 @@ MODELS = {
     "qwen3_next": (lambda: _qwen3_next_model(DTYPE), 2),
 }
 BATCHES = ("plain", "padded", "packed_position_ids", "packed_cu_seq_lens")
+# The models each implementation's steps run: the Hub builds of flash-attn 3 share flash-attn 3's family code, so they
+# run on the unpadded head dimension and on Qwen3-MoE.
+STEP_MODELS = {"flash_attention_3": tuple(MODELS), HUBS[0]: tuple(MODELS)}
+STEP_MODELS.update(dict.fromkeys(HUBS[1:], ("llama_head_dim_36", "qwen3_moe")))
 
 
 @pytest.fixture(params=IMPLEMENTATIONS)
@@ -76,7 +97,8 @@ def kernel_model(name, implementation, use_reentrant=True):
 
 
 class CountKernelOps(TorchDispatchMode):
-    """Counts the calls of flash-attn 3's ops and the Hub kernel's (fwd, varlen_fwd, bwd, varlen_bwd), by name."""
+    """Counts the calls of flash-attn 3's ops and a Hub kernel's (fwd, varlen_fwd, bwd, varlen_bwd), by name: a Hub
+    build's custom op (a kernel function) counts as the compiled op it calls, which runs inside it unseen."""
 
     def __init__(self):
         super().__init__()
@@ -84,8 +106,8 @@ class CountKernelOps(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         namespace, _, name = func._schema.name.partition("::")
-        if namespace == "flash_attn_3" or namespace.startswith("_flash_attn2_"):
-            self.calls[name] += 1
+        if namespace == "flash_attn_3" or namespace.startswith(HUB_NAMESPACES):
+            self.calls[KERNEL_FUNCTION_OPS.get(name, name)] += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -103,17 +125,23 @@ def kernel_ops(implementation, kind):
     return f"{varlen}fwd", f"{varlen}bwd"
 
 
-def source(implementation):
-    """What the install line says the implementation's kernels are."""
+def source(implementation, registered=None):
+    """What the install line says the implementation's kernels are (a Hub kernel's, installed under ``registered``
+    where a fallback loaded it for another name)."""
     if implementation == "flash_attention_3":
         return "flash-attn 3's interface from flash_attn_interface"
-    module = attention_stash._FLASH_INTERFACES[HUB].function.__module__.partition(".")[0]
-    return f"flash-attn 2's interface from the Hub kernel flash-attn2 version 4, a local build ({module})"
+    module = attention_stash._FLASH_INTERFACES[registered or implementation].function.__module__.partition(".")[0]
+    version = HUB_BUILDS[implementation].version
+    return (f"{FAMILY[implementation][0]}'s interface from the Hub kernel {implementation.partition('/')[2]} version "
+            f"{version}, a local build ({module})")
 
 
 @MODES
 @pytest.mark.parametrize("kind", BATCHES)
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("implementation, name",
+                         [(implementation, name) for implementation in IMPLEMENTATIONS
+                          for name in STEP_MODELS[implementation]],
+                         indirect=["implementation"])
 def test_a_step_is_stock(install, implementation, name, kind, use_reentrant):
     """A stock step, then a stashed one on every attention layer: the same loss and gradients bitwise, the recompute's
     attention forwards skipped, every call served, the kept bytes the planner's, nothing left after."""
@@ -154,7 +182,7 @@ def test_the_install_line_names_the_kernels_and_their_cost(install, implementati
     model = kernel_model("llama_head_dim_36", implementation, use_reentrant)
     with logged_messages() as messages:
         install(model, 2, micro_batch_size=2, sequence_length=32)
-    per_layer = 2 * 32 * 4 * ((36 if implementation == "flash_attention_3" else 40) * 2 + 4)
+    per_layer = 2 * 32 * 4 * ((36 + -36 % FAMILY[implementation][1]) * 2 + 4)
     assert any(f"keeping the attention output of 2 of 3 attention layers (model.layers.1 to model.layers.2) for "
                f"their recompute: {2 * per_layer:,} bytes per micro-batch in flight" in message
                and message.endswith(f'; attn_implementation "{implementation}" ({source(implementation)}).')
@@ -194,11 +222,65 @@ def test_flash_attention_2_served_through_hugging_faces_hub_kernel_fallback(inst
     assert stock_calls == {"fwd": 6, "bwd": 3}
     with logged_messages() as messages:
         handle = install(model, 3)
-    assert messages[-1].endswith(f'; attn_implementation "flash_attention_2" ({source(HUB)}).'), messages
+    line = f'; attn_implementation "flash_attention_2" ({source(HUB, "flash_attention_2")}).'
+    assert messages[-1].endswith(line), messages
     loss, grads, calls = counted_step(model, inputs)
     assert calls == {"fwd": 3, "bwd": 3} and handle.recomputes_served == 3
     assert torch.equal(loss, expected_loss)
     assert_same_grads(grads, expected)
+
+
+@MODES
+def test_flash_attention_3_served_through_hugging_faces_hub_kernel_fallback(install, monkeypatch, tmp_path_factory,
+                                                                           use_reentrant):
+    """Where flash-attn 3 is not installed and the kernels package is, transformers 5.24 turns
+    attn_implementation="flash_attention_3" into its Hub fallback, kernels-community/vllm-flash-attn3 (the
+    flash_attention_3 most Hopper users get): the install names vLLM's flash-attn 3; the stash serves it bitwise."""
+    import transformers.modeling_utils as modeling_utils
+
+    repo_id = HUBS[2]
+    use_hub_kernel(monkeypatch, tmp_path_factory, repo_id)
+    # Hugging Face's own check of the kernels package's version, relaxed for 0.17 as in use_hub_kernel.
+    monkeypatch.setattr(modeling_utils, "is_kernels_available", lambda *args, **kwargs: True)
+    model = llama_model(DTYPE)
+    model.set_attn_implementation("flash_attention_3")
+    assert model.config._attn_implementation == repo_id
+    model = checkpointed(model, use_reentrant)
+    inputs, _ = make_batch("padded")
+    expected_loss, expected, stock_calls = counted_step(model, inputs)
+    assert stock_calls == {"fwd": 6, "bwd": 3}
+    with logged_messages() as messages:
+        handle = install(model, 3)
+    assert messages[-1].endswith(f'; attn_implementation "{repo_id}" ({source(repo_id)}).'), messages
+    loss, grads, calls = counted_step(model, inputs)
+    assert calls == {"fwd": 3, "bwd": 3} and handle.recomputes_served == 3
+    assert torch.equal(loss, expected_loss)
+    assert_same_grads(grads, expected)
+
+
+def test_attention_sinks_are_refused_at_the_first_forward(install, monkeypatch, tmp_path_factory):
+    """gpt-oss passes its attention sinks as s_aux, which vLLM's flash-attn 3 takes and whose backward gives them no
+    gradient: the stashed layer's first forward is refused, naming the sinks, and nothing is kept."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    repo_id = HUBS[2]
+    use_hub_kernel(monkeypatch, tmp_path_factory, repo_id)
+    torch.manual_seed(0)
+    config = GptOssConfig(vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                          num_experts_per_tok=2, layer_types=["full_attention"] * 2, attn_implementation="eager")
+    model = GptOssForCausalLM(config).to(DTYPE)
+    model.config._attn_implementation = repo_id
+    # Every layer stashed: the stand-in kernels have no sinks, so an unstashed layer could not run either.
+    handle = install(checkpointed(model), 2)
+    before = _tensors()
+    with pytest.raises(RuntimeError,
+                       match=r"needs flash calls without attention sinks in model\.layers\.0, got s_aux \(the layer's "
+                       r"sinks, as gpt-oss passes them\) for vLLM's flash-attn 3, whose backward gives the sinks no "
+                       r"gradient\. Remove the stash from layers with sinks"):
+        model(**make_batch("plain")[0])
+    assert handle.num_kept == 0 and kept_outputs() == [] and live_checkpoint_calls() == []
+    assert _live_tensors(before, model) == []
 
 
 @MODES
@@ -238,6 +320,23 @@ def test_a_recompute_with_another_deterministic_setting_is_refused(install, impl
     del loss
     assert handle.num_kept == 0 and kept_outputs() == [] and live_checkpoint_calls() == []
     assert _live_tensors(before, model) == []
+
+
+@pytest.mark.parametrize("name",
+                         ["flash_attention_4", "kernels-community/flash-attn4", "kernels-community/flash-attn4@v0"])
+def test_flash_attention_4_is_refused_at_install(name):
+    """flash-attn 4 (flash_attn.cute) and its Hub build, which transformers 5.24 serves: refused at the install,
+    before anything is imported or held, naming flash-attn 4, why, and what to load instead; the planner too."""
+    model = kernel_model("llama", "flash_attention_3")
+    model.config._attn_implementation = name
+    message = (f'cannot serve attn_implementation "{re.escape(name)}" of model\\.layers\\.2: flash-attn 4 '
+               r"\(flash_attn\.cute, .*\) is not served yet: .*Load the model with "
+               r'attn_implementation="flash_attention_3" \(flash-attn 3, or its Hub kernel\)')
+    with pytest.raises(attention_stash.AttentionStashError, match=message):
+        attention_stash.install_attention_stash(model, 1)
+    with pytest.raises(attention_stash.AttentionStashError, match=message):
+        attention_stash.attention_stash_layer_bytes(model, 2, 32)
+    assert_stock_process()
 
 
 def test_flash_attn_3s_backward_settings_are_compared_between_the_passes():
@@ -280,19 +379,19 @@ def _interface_module(implementation):
 
 def test_an_interface_with_parameters_the_stash_does_not_know_is_refused_at_install(implementation, monkeypatch):
     """A flash_attn_varlen_func that takes a parameter the stash does not know (a newer release, another kernel such
-    as vLLM's flash-attn 3 with its attention sinks): refused at the install, naming the parameter and the kernel."""
+    as flash-attn 4 with its learnable sinks): refused at the install, naming the parameter and the kernel."""
     import transformers.modeling_flash_attention_utils as flash_utils
 
     module = _interface_module(implementation)
 
-    def newer_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, s_aux=None):
+    def newer_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, learnable_sink=None):
         raise AssertionError("not called")
 
     # The module's own function, as a release of it would define it.
     flash_attn_varlen_func = types.FunctionType(newer_varlen_func.__code__, vars(module), "flash_attn_varlen_func",
                                                 newer_varlen_func.__defaults__)
     monkeypatch.setattr(module, "flash_attn_varlen_func", flash_attn_varlen_func)
-    if implementation == HUB:
+    if implementation in HUBS:
         monkeypatch.setattr(sys.modules[module.__name__.partition(".")[0]], "flash_attn_varlen_func",
                             flash_attn_varlen_func)
     monkeypatch.setattr(flash_utils, "_loaded_implementation", None)
@@ -300,7 +399,7 @@ def test_an_interface_with_parameters_the_stash_does_not_know_is_refused_at_inst
     family = FAMILY[implementation][0]
     with pytest.raises(RuntimeError,
                        match=f"needs {family}'s interface as .* has it for attn_implementation=\"{implementation}\", "
-                       f"got .*\\({module.__name__}\\) s_aux in its functions' parameters\\. Install "):
+                       f"got .*\\({module.__name__}\\) learnable_sink in its functions' parameters\\. Install "):
         attention_stash.install_attention_stash(model, 1)
     assert attention_stash._held is None and not attention_stash._STASHES
 
@@ -329,9 +428,10 @@ def test_an_implementation_that_does_not_load_is_refused_at_install(implementati
         message = (r'needs flash-attn 3 \(its flash_attn_interface module, from flash-attn\'s hopper/ build\) for '
                    r'attn_implementation="flash_attention_3", got an import error: .*Install flash-attn 3, or load')
     else:
-        monkeypatch.setenv("LOCAL_KERNELS", f"{HUB}={tmp_path}")
-        message = (f'needs the Hub kernel {HUB} \\(loaded by the kernels package\\) for attn_implementation="{HUB}", '
-                   f'got an error \\(ValueError\\): .*Install the Hub kernel {HUB}, or load')
+        monkeypatch.setenv("LOCAL_KERNELS", f"{implementation}={tmp_path}")
+        message = (f'needs the Hub kernel {implementation} \\(loaded by the kernels package\\) for '
+                   f'attn_implementation="{implementation}", got an error \\(ValueError\\): .*Install the Hub kernel '
+                   f'{implementation}, or load')
     # (?s): the kernels package's error spans lines.
     with pytest.raises(RuntimeError, match="(?s)" + message):
         attention_stash.install_attention_stash(model, 1)
@@ -480,6 +580,68 @@ def test_a_registration_after_a_hub_kernels_install_is_not_shadowed(install, mon
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# The mirrors of the Hub builds (hub_builds/), pinned to the real builds' files.
+# ---------------------------------------------------------------------------------------------------------------------
+
+# The kernel functions of each real build's torch-ext/<package>/flash_attn_interface.py, in
+# huggingface/kernels-community: whether they are custom ops in the build's namespace (torch.library.custom_op with
+# add_op_namespace_prefix), and each one's parameters in order, as the real file defines them.
+_FA2_KERNEL = "dropout_p softmax_scale causal window_size_left window_size_right softcap alibi_slopes"
+_FA3_FORWARD = ("q k v k_new v_new qv {out} cu_seqlens_q cu_seqlens_k cu_seqlens_k_new seqused_q seqused_k "
+                "max_seqlen_q max_seqlen_k page_table kv_batch_idx leftpad_k rotary_cos rotary_sin seqlens_rotary "
+                "q_descale k_descale v_descale softmax_scale causal {window} softcap rotary_interleaved "
+                "scheduler_metadata num_splits pack_gqa sm_margin{sinks}")
+_FA3_BACKWARD = ("dout q k v out softmax_lse cu_seqlens_q cu_seqlens_k sequed_q sequed_k max_seqlen_q max_seqlen_k dq "
+                 "dk dv softmax_scale {causal} softcap deterministic sm_margin")
+REAL_KERNEL_FUNCTIONS = {
+    HUBS[0]: (True, {
+        "_flash_attn_forward": f"q k v {_FA2_KERNEL} return_softmax",
+        "_flash_attn_varlen_forward": (f"q k v cu_seqlens_q cu_seqlens_k max_seqlen_q max_seqlen_k {_FA2_KERNEL} "
+                                       f"return_softmax block_table leftpad_k seqused_k zero_tensors"),
+        "_flash_attn_backward": f"dout q k v out softmax_lse dq dk dv {_FA2_KERNEL} deterministic rng_state",
+        "_flash_attn_varlen_backward": (f"dout q k v out softmax_lse dq dk dv cu_seqlens_q cu_seqlens_k max_seqlen_q "
+                                        f"max_seqlen_k {_FA2_KERNEL} deterministic rng_state zero_tensors"),
+    }),
+    HUBS[1]: (True, {
+        "_flash_attn_forward": _FA3_FORWARD.format(out="out_",
+                                                   window="window_size_left window_size_right attention_chunk",
+                                                   sinks=""),
+        "_flash_attn_backward": _FA3_BACKWARD.format(causal="is_causal window_size_left window_size_right"),
+    }),
+    HUBS[2]: (False, {
+        "_flash_attn_forward": _FA3_FORWARD.format(out="out", window="window_size", sinks=" s_aux"),
+        "_flash_attn_backward": _FA3_BACKWARD.format(causal="causal window_size"),
+    }),
+}
+
+
+@pytest.mark.parametrize("repo_id", HUBS)
+def test_the_mirrors_kernel_functions_are_the_real_builds(monkeypatch, tmp_path_factory, repo_id):
+    """Each mirror's kernel functions are what the real build's are: custom ops in the build's namespace, with a fake
+    kernel that runs them on meta, where the real ones are (flash-attn2's, flash-attn3's), plain functions where they
+    are (vllm-flash-attn3's); with the real file's parameters, in order. A mirror cannot drift to fit the stash."""
+    from torch._library.custom_ops import CustomOpDef
+
+    kernel = use_hub_kernel(monkeypatch, tmp_path_factory, repo_id)
+    module = sys.modules[f"{kernel.__name__}.flash_attn_interface"]
+    custom_ops, functions = REAL_KERNEL_FUNCTIONS[repo_id]
+    for name, parameters in functions.items():
+        function = getattr(module, name)
+        assert isinstance(function, CustomOpDef) == custom_ops, name
+        if custom_ops:
+            assert function._qualname == f"{kernel.__name__}::{name}"
+            assert [argument.name for argument in function._opoverload._schema.arguments] == parameters.split(), name
+        else:
+            assert list(inspect.signature(function).parameters) == parameters.split(), name
+    # A forward on meta: through the fake kernel of the custom op, or the compiled op's.
+    query = torch.empty(2, 8, 4, 16, device="meta", dtype=DTYPE)
+    key = torch.empty(2, 8, 2, 16, device="meta", dtype=DTYPE)
+    out = kernel.flash_attn_func(query, key, key, causal=True)
+    out = out[0] if isinstance(out, tuple) else out
+    assert (out.device.type, out.shape, out.dtype) == ("meta", query.shape, DTYPE)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # On the meta device, through the stand-ins' fake kernels.
 # ---------------------------------------------------------------------------------------------------------------------
 
@@ -507,45 +669,43 @@ def test_the_meta_layout_is_flash_attn_3s(monkeypatch):
     key = torch.empty(2, 72, 2, 36, device="meta", dtype=DTYPE)
     output, (lse, *cu_seqlens), scalars = ops.kernel(query, key, key, None,
                                                      attention_stash._FlashArguments(softmax_scale=36**-0.5))
-    assert output.shape == (2, 72, 4, 36) and cu_seqlens == [None, None] and scalars == ()
+    assert output.shape == (2, 72, 4, 36) and cu_seqlens == [] and scalars == ()
     assert (lse.shape, lse.dtype) == ((2, 4, 72), torch.float32)
     assert output.nbytes + lse.nbytes == ops.kept_bytes(2, 4, 72, 36, DTYPE)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Bound against flash-attn 3's own autograd functions.
+# Bound against the own autograd functions of flash-attn 3 and of its Hub builds.
 # ---------------------------------------------------------------------------------------------------------------------
+
+FLASH_3_BUILDS = pytest.mark.parametrize("implementation", ["flash_attention_3", *HUBS[1:]])
 
 
 class Recorder:
-    """Stands in for flash-attn 3's two kernel functions: records each call's arguments; the forward returns
-    sentinels of distinct values (output, log-sum-exp, and the two accumulators), the backward fills dq, dk, dv."""
+    """Stands in for the two kernel functions of a flash-attn 3 interface ``module``: records each call's arguments;
+    the forward returns sentinels of distinct values (output, log-sum-exp, and the two accumulators), the backward
+    fills dq, dk, dv."""
 
-    def __init__(self, monkeypatch):
+    def __init__(self, monkeypatch, module):
         self.calls = []
         for name in ("_flash_attn_forward", "_flash_attn_backward"):
-            monkeypatch.setattr(FLASH_ATTN_3, name, self._kernel(name))
+            monkeypatch.setattr(module, name, self._kernel(name, getattr(module, name)))
 
-    def _kernel(self, name):
+    def _kernel(self, name, original):
 
         def kernel(*args, **kwargs):
-            self.calls.append((name, args, kwargs))
+            # Each call by parameter name, as the kernel function it stands in for binds it.
+            bound = bound_arguments(original, args, kwargs)
+            self.calls.append((name, bound))
             if name == "_flash_attn_forward":
-                query, cu_seqlens = args[0], args[7]
+                query, cu_seqlens = bound["q"], bound["cu_seqlens_q"]
                 lse_shape = (4, query.shape[0]) if cu_seqlens is not None else (query.shape[0], 4, query.shape[1])
                 return torch.full_like(query, 7.0), torch.full(lse_shape, 11.0), torch.empty(0), torch.empty(0)
-            for position, value in zip((12, 13, 14), (19.0, 23.0, 29.0)):
-                args[position].fill_(value)
-            return (*args[12:15], torch.empty(0))
+            for buffer, value in zip(("dq", "dk", "dv"), (19.0, 23.0, 29.0)):
+                bound[buffer].fill_(value)
+            return (bound["dq"], bound["dk"], bound["dv"], torch.empty(0))
 
         return kernel
-
-
-def _same(ours, theirs):
-    if isinstance(theirs, torch.Tensor) or isinstance(ours, torch.Tensor):
-        return (isinstance(ours, torch.Tensor) and isinstance(theirs, torch.Tensor) and ours.shape == theirs.shape
-                and ours.dtype == theirs.dtype and torch.equal(ours, theirs))
-    return type(ours) is type(theirs) and ours == theirs
 
 
 def _flash3_case(varlen):
@@ -570,7 +730,7 @@ def _flash3_case(varlen):
     return query, key, value, arguments
 
 
-def _theirs_3(varlen, query, key, value, a, grad):
+def _theirs_3(module, varlen, query, key, value, a, grad):
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda tensor: saved.append(tensor) or tensor, lambda t: t):
         options = dict(softmax_scale=a.softmax_scale,
@@ -582,19 +742,21 @@ def _theirs_3(varlen, query, key, value, a, grad):
                        deterministic=a.deterministic,
                        sm_margin=a.sm_margin)
         if varlen:
-            out = FLASH_ATTN_3.flash_attn_varlen_func(query, key, value, a.cu_seqlens_q, a.cu_seqlens_k,
-                                                      a.max_seqlen_q, a.max_seqlen_k, **options)
+            out = module.flash_attn_varlen_func(query, key, value, a.cu_seqlens_q, a.cu_seqlens_k, a.max_seqlen_q,
+                                                a.max_seqlen_k, **options)
         else:
-            out = FLASH_ATTN_3.flash_attn_func(query, key, value, **options)
+            out = module.flash_attn_func(query, key, value, **options)
+    # vLLM's functions return the log-sum-exp too, which Hugging Face drops.
+    out = out[0] if isinstance(out, tuple) else out
     return out, saved, torch.autograd.grad(out, (query, key, value), grad)
 
 
-def _ours_3(ops, query, key, value, a, grad):
+def _ours_3(implementation, ops, query, key, value, a, grad):
     """The stash's call in a bare checkpoint call: its first pass without grad, then its recompute."""
     from attention_stash_helpers import bare_call
 
     call, counters = bare_call(lambda *inputs: attention_stash._state.call.attend(ops, *inputs, None, a),
-                               "flash_attention_3")
+                               implementation)
     with torch.no_grad():
         call(query.detach(), key.detach(), value.detach())
     saved = []
@@ -604,59 +766,58 @@ def _ours_3(ops, query, key, value, a, grad):
     return out, saved, torch.autograd.grad(out, (query, key, value), grad)
 
 
-def _assert_same_calls(ours, theirs):
-    assert [name for name, _, _ in ours] == [name for name, _, _ in theirs]
-    for (name, our_args, our_kwargs), (_, their_args, their_kwargs) in zip(ours, theirs):
-        assert len(our_args) == len(their_args) and our_kwargs.keys() == their_kwargs.keys(), name
-        for position, (mine, their) in enumerate(zip(our_args, their_args)):
-            if name == "_flash_attn_backward" and position in (12, 13, 14):
-                # dq, dk and dv: buffers the kernel fills, empty_like query, key and value.
-                assert (mine.shape, mine.dtype) == (their.shape, their.dtype), (name, position)
-            else:
-                assert _same(mine, their), (name, position)
-        for keyword, their in their_kwargs.items():
-            assert _same(our_kwargs[keyword], their), (name, keyword)
+def _flash_3_interface(monkeypatch, tmp_path_factory, implementation):
+    """flash-attn 3's interface, or a Hub build's, loaded as the install loads it; its module."""
+    if implementation == "flash_attention_3":
+        use_flash_attention_3(monkeypatch)
+    else:
+        use_hub_kernel(monkeypatch, tmp_path_factory, implementation)
+    interface = attention_stash._load_flash(attention_stash._implementation(implementation))
+    return interface, sys.modules[interface.function.__module__]
 
 
-def _bound_case(monkeypatch, varlen, ops=None):
-    use_flash_attention_3(monkeypatch)
-    interface = attention_stash._load_flash(attention_stash._implementation("flash_attention_3"))
-    recorder = Recorder(monkeypatch)
+def _bound_case(monkeypatch, tmp_path_factory, implementation, varlen, ops=None):
+    interface, module = _flash_3_interface(monkeypatch, tmp_path_factory, implementation)
+    recorder = Recorder(monkeypatch, module)
     query, key, value, arguments = _flash3_case(varlen)
     grad = torch.randn(query.shape, generator=torch.Generator().manual_seed(4))
-    theirs = _theirs_3(varlen, query, key, value, arguments, grad)
+    theirs = _theirs_3(module, varlen, query, key, value, arguments, grad)
     their_calls = recorder.calls[:]
     ops = ops or (interface.varlen_ops if varlen else interface.ops)
-    ours = _ours_3(ops, query, key, value, arguments, grad)
+    ours = _ours_3(implementation, ops, query, key, value, arguments, grad)
     return ours, theirs, recorder.calls[len(their_calls):], their_calls
 
 
+@FLASH_3_BUILDS
 @pytest.mark.parametrize("varlen", [False, True], ids=["flash_attn_func", "flash_attn_varlen_func"])
-def test_kernel_calls_and_saves_follow_flash_attn_3s_functions(monkeypatch, varlen):
-    """The stash calls flash-attn 3's forward and backward kernel functions as FlashAttnFunc (FlashAttnVarlenFunc)
-    calls them, argument for argument, and its node saves what that function saves, in its order: (query, key, value,
-    output, log-sum-exp, [cu_seqlens_q, cu_seqlens_k]); its output and gradients are that function's."""
-    (out, saved, grads), (their_out, their_saved, their_grads), calls, their_calls = _bound_case(monkeypatch, varlen)
-    _assert_same_calls(calls, their_calls)
+def test_kernel_calls_and_saves_follow_flash_attn_3s_functions(monkeypatch, tmp_path_factory, implementation, varlen):
+    """The stash calls the forward and backward kernel functions of flash-attn 3 (of its Hub build, of vLLM's) as its
+    FlashAttnFunc (FlashAttnVarlenFunc) calls them, argument for argument, and its node saves what that function saves,
+    in its order: (query, key, value, output, log-sum-exp, [cu_seqlens_q, cu_seqlens_k]); its output and gradients are
+    that function's."""
+    (out, saved, grads), (their_out, their_saved, their_grads), calls, their_calls = _bound_case(
+        monkeypatch, tmp_path_factory, implementation, varlen)
+    assert_same_calls(calls, their_calls)
     assert len(saved) == len(their_saved) == (7 if varlen else 5)
-    assert all(_same(mine, their) for mine, their in zip(saved, their_saved))
-    assert _same(out, their_out)
-    assert all(_same(mine, their) for mine, their in zip(grads, their_grads))
+    assert all(same_value(mine, their) for mine, their in zip(saved, their_saved))
+    assert same_value(out, their_out)
+    assert all(same_value(mine, their) for mine, their in zip(grads, their_grads))
 
 
-def test_a_planted_swap_in_flash_attn_3s_backward_is_caught(monkeypatch):
+@FLASH_3_BUILDS
+def test_a_planted_swap_in_flash_attn_3s_backward_is_caught(monkeypatch, tmp_path_factory, implementation):
     """A backward that passes the two window sizes swapped fails the comparison, as would any two arguments of a
-    type swapped."""
-    use_flash_attention_3(monkeypatch)
-    ops = attention_stash._load_flash(attention_stash._implementation("flash_attention_3")).varlen_ops
+    type swapped: the window by its pair, or by its left size where the kernel function takes the two apart."""
+    ops = _flash_3_interface(monkeypatch, tmp_path_factory, implementation)[0].varlen_ops
 
     def swapped_backward(grad, q, k, v, mask, out, tensors, scalars, a, needs_grad):
         swapped = dataclasses.replace(a, window_size=a.window_size[::-1])
         return ops.backward(grad, q, k, v, mask, out, tensors, scalars, swapped, needs_grad)
 
-    _, _, calls, their_calls = _bound_case(monkeypatch, True, dataclasses.replace(ops, backward=swapped_backward))
-    with pytest.raises(AssertionError, match="_flash_attn_backward', 17"):
-        _assert_same_calls(calls, their_calls)
+    _, _, calls, their_calls = _bound_case(monkeypatch, tmp_path_factory, implementation, True,
+                                           dataclasses.replace(ops, backward=swapped_backward))
+    with pytest.raises(AssertionError, match="_flash_attn_backward', 'window_size(_left)?'"):
+        assert_same_calls(calls, their_calls)
 
 
 def test_nothing_is_left_installed(monkeypatch, tmp_path_factory):
@@ -665,8 +826,8 @@ def test_nothing_is_left_installed(monkeypatch, tmp_path_factory):
 
     for implementation in IMPLEMENTATIONS:
         with monkeypatch.context() as patch:
-            if implementation == HUB:
-                use_hub_kernel(patch, tmp_path_factory, HUB)
+            if implementation in HUBS:
+                use_hub_kernel(patch, tmp_path_factory, implementation)
             else:
                 use_flash_attention_3(patch)
             handle = attention_stash.install_attention_stash(kernel_model("llama", implementation), 3)

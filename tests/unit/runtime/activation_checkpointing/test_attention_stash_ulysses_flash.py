@@ -1,13 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""The stash under DeepSpeed's Ulysses sequence parallelism (ALST) with core "flash_attention_2", "flash_attention_3" or
-a Hub kernel ("kernels-community/flash-attn2"), on two ranks over gloo, on CPU over the stand-in kernels of
-attention_stash_flash.py and attention_stash_flash3.py.
+"""The stash under DeepSpeed's Ulysses sequence parallelism (ALST) with core "flash_attention_2",
+"flash_attention_3" or a Hub kernel (kernels-community's flash-attn2, flash-attn3 and vllm-flash-attn3, mirrored), on
+two ranks over gloo, on CPU over the stand-in kernels of attention_stash_flash.py and attention_stash_flash3.py.
 
-ALST's wrapper in Hugging Face's entry of the core implementation all-to-alls query, key and value to the whole sequence and
-a rank's share of the heads, gathers position_ids, and calls the core flash function it captured; the stash's entry
-is that core function, installed before ALST registers or behind its wrapper after. The script
+ALST's wrapper in Hugging Face's entry of the core implementation all-to-alls query, key and value to the whole
+sequence and a rank's share of the heads, gathers position_ids, and calls the core flash function it captured; the
+stash's entry is that core function, installed before ALST registers or behind its wrapper after. The script
 attention_stash_ulysses_flash_ranks.py trains one step per case on both ranks: bitwise against ALST alone, every
 recompute served without a flash forward, and one rank's bytes kept as the planner counts them; a plain batch runs
 flash_attn_func, a packed one flash_attn_varlen_func over the documents of the whole sequence.
@@ -31,7 +31,11 @@ OP = {"plain": "dense", "packed": "varlen"}
 SEQUENCE = 32
 
 
-@pytest.fixture(scope="module", params=["flash_attention_2", "flash_attention_3", "kernels-community/flash-attn2"])
+@pytest.fixture(scope="module",
+                params=[
+                    "flash_attention_2", "flash_attention_3", "kernels-community/flash-attn2",
+                    "kernels-community/flash-attn3", "kernels-community/vllm-flash-attn3"
+                ])
 def reports(request, tmp_path_factory):
     flash_attn_or_skip()
     if request.param != "flash_attention_2":
