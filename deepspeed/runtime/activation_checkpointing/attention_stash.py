@@ -390,7 +390,8 @@ def _mask_identity(mask):
 
 # Rows of a mask digested at once, so that a digest never holds more than this slice of the mask in float64.
 _DIGEST_ROWS = 256
-# Random weights over a mask's keys, per device: one vector, extended for more keys with its prefix kept.
+# Random weights over a mask's keys, per device: one vector, extended for more keys with its prefix kept. A digest is
+# compared only while its stash holds Hugging Face's objects: the last removal releases them (_let_go).
 _DIGEST_WEIGHTS = {}
 
 
@@ -1511,6 +1512,8 @@ def _let_go():
                                         for stash in list(_STASHES.values())):
         return
     _held = None
+    # No forward's digest waits for its recompute now: the weights go with the hold, and the next install starts anew.
+    _DIGEST_WEIGHTS.clear()
     for entry in hold.entries.values():
         entry.restore()
     if hold.layer_class.__dict__.get(_CHECKPOINT_FUNCTION) is _SLOT:

@@ -169,7 +169,9 @@ def build_hub_kernel(root, repo_id):
 
     The variant holds the build's mirror from hub_builds/ as flash_attn_interface.py, an _ops.py as the build's
     (``ops = torch.ops.<namespace>`` and ``add_op_namespace_prefix``), an __init__.py exporting the mirror's
-    flash_attn_func and flash_attn_varlen_func, and metadata.json, whose id (the module's name in sys.modules and its
+    flash_attn_func and flash_attn_varlen_func (the real one exports more, flash_attn_with_kvcache among them, which
+    Hugging Face's training path does not call: without it transformers warns that block tables are not supported),
+    and metadata.json, whose id (the module's name in sys.modules and its
     ops' namespace) is ``_<package>_`` and a hash of the mirror's text. Defines the namespace's compiled ops (once per
     process) before the kernels package imports the mirror, whose custom ops register in that namespace.
     """

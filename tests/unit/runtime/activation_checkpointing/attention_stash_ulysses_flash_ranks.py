@@ -14,6 +14,7 @@ two documents, position_ids restarting at the boundary, which ALST gathers whole
 rank writes its report as JSON to ``rank<N>.json`` in the folder given as the first argument.
 """
 
+import gc
 import json
 import os
 import sys
@@ -147,6 +148,15 @@ def same(first, second):
         torch.equal(grad, second[1][name]) for name, grad in first[1].items())
 
 
+def live_tensors(before):
+    """[shape, dtype] of each tensor alive after a collection that ``before`` (which holds them, so that no new tensor
+    takes the id of one of them) does not hold."""
+    gc.collect()
+    owned = {id(tensor) for tensor in before}
+    return sorted([list(obj.shape), str(obj.dtype)] for obj in gc.get_objects()
+                  if issubclass(type(obj), torch.Tensor) and id(obj) not in owned)
+
+
 def cases(rank, use_reentrant, kind, batch, report):
     """ALST alone, then the stash on every layer installed before and after ALST's registration."""
     micro_batch = batch[0]
@@ -154,7 +164,10 @@ def cases(rank, use_reentrant, kind, batch, report):
     model = flash_llama(use_reentrant)
     register_alst(model, micro_batch)
     reference = step(model, batch, rank)
+    del model
     unregister_alst()
+    gc.collect()
+    before = [obj for obj in gc.get_objects() if issubclass(type(obj), torch.Tensor)]
     for order in ("stash_first", "alst_first"):
         model = flash_llama(use_reentrant)
         if order == "stash_first":
@@ -178,6 +191,9 @@ def cases(rank, use_reentrant, kind, batch, report):
         }
         handle.remove()
         unregister_alst()
+        del handle, model, result
+        # What the step left alive once the stash is removed and the model dropped: nothing.
+        report[f"{order}_{mode}_{kind}"]["live"] = live_tensors(before)
 
 
 def main():

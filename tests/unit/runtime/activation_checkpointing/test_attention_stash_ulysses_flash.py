@@ -58,11 +58,13 @@ def cases(reports, order, mode, kind):
 @pytest.mark.parametrize("order", ORDERS)
 def test_both_install_orders_are_served_bitwise(reports, order, mode, kind):
     """One step on each rank's shard: loss and gradients bitwise equal to ALST without the stash, every layer's
-    recompute served, nothing kept after the step."""
+    recompute served, nothing kept after the step, and no tensor alive after remove() and the model's drop (the
+    digest of ALST's gathered position_ids included)."""
     for rank, case in cases(reports, order, mode, kind):
         assert case["bitwise"], rank
         assert case["served"] == NUM_LAYERS, rank
         assert case["num_kept"] == 0 and case["kept_bytes"] == 0, rank
+        assert case["live"] == [], rank
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -16,9 +16,10 @@ As in the real file:
 * flash_attn_func and flash_attn_varlen_func take the real file's parameters.
 
 Where it differs, because these tests run the CUDA build's role on CPU: the custom ops are registered for the CPU
-(the real ``_get_device()`` answers "cuda" on a CUDA machine), and flash_attn_func saves for the backward wherever grad
-is enabled (the real one passes ``is_grad_enabled=False`` on CPU, where the build has a forward only). The compiled
-ops are attention_stash_flash3's stand-ins, defined in this build's namespace before the module loads.
+(the real file registers them for ``_get_device()``, which answers "cuda" on a CUDA machine and "cpu" here), and
+flash_attn_varlen_func saves for the backward wherever grad is enabled (the real one passes ``is_grad_enabled=False``
+on CPU, where the build has a varlen forward only). The compiled ops are attention_stash_flash3's stand-ins, defined in
+this build's namespace before the module loads.
 """
 
 from typing import Optional, Tuple
