@@ -504,6 +504,8 @@ _FLASH3_FORWARD = ("q k v k_new v_new qv out cu_seqlens_q cu_seqlens_k cu_seqlen
                    "rotary_interleaved scheduler_metadata num_splits pack_gqa sm_margin")
 _FLASH3_BACKWARD = ("dout q k v out softmax_lse cu_seqlens_q cu_seqlens_k sequed_q sequed_k max_seqlen_q max_seqlen_k "
                     "dq dk dv softmax_scale causal window_size softcap deterministic sm_margin")
+# flash-attn 3's autograd functions call one forward and one backward for both functions.
+_FLASH3_FUNCTIONS = ("forward", "forward", "backward", "backward")
 # kernels-community/flash-attn3: out_ for out, and both window sizes by name (is_causal in its backward).
 _HUB_FLASH3_WINDOW = ("causal window_size ", "causal window_size_left window_size_right ")
 # kernels-community/vllm-flash-attn3: no attention_chunk, and attention sinks (s_aux).
@@ -521,19 +523,16 @@ _FLASH_FAMILIES = (
          _FLASH2_KERNEL.format(f"{_FLASH2_BACKWARD} {_FLASH_VARLEN_PARAMETERS}",
                                "deterministic rng_state zero_tensors")), True, 8),
     _FlashFamily("flash-attn 3", "flash-attn 3 as flash-attn 2.8.3's hopper interface",
-                 frozenset(_FLASH3_PARAMETERS.split()), ("_flash_attn_", ), ("forward", "forward", "backward",
-                                                                              "backward"),
+                 frozenset(_FLASH3_PARAMETERS.split()), ("_flash_attn_", ), _FLASH3_FUNCTIONS,
                  (_FLASH3_FORWARD, ) * 2 + (_FLASH3_BACKWARD, ) * 2, False, 1),
     _FlashFamily("flash-attn 3", "the Hub build kernels-community/flash-attn3",
-                 frozenset(f"{_FLASH3_PARAMETERS} return_attn_probs".split()), ("_flash_attn_", ),
-                 ("forward", "forward", "backward", "backward"),
+                 frozenset(f"{_FLASH3_PARAMETERS} return_attn_probs".split()), ("_flash_attn_", ), _FLASH3_FUNCTIONS,
                  (_FLASH3_FORWARD.replace(" out ", " out_ ").replace(*_HUB_FLASH3_WINDOW), ) * 2 +
                  (_FLASH3_BACKWARD.replace(" causal window_size", " is_causal window_size_left window_size_right"), ) *
                  2, False, 1),
     _FlashFamily("vLLM's flash-attn 3", "the Hub build kernels-community/vllm-flash-attn3",
                  frozenset(_FLASH3_PARAMETERS.replace(" attention_chunk", " s_aux").split()), ("_flash_attn_", ),
-                 ("forward", "forward", "backward", "backward"),
-                 (_VLLM_FLASH3_FORWARD, ) * 2 + (_FLASH3_BACKWARD, ) * 2, False, 1),
+                 _FLASH3_FUNCTIONS, (_VLLM_FLASH3_FORWARD, ) * 2 + (_FLASH3_BACKWARD, ) * 2, False, 1),
 )
 
 
