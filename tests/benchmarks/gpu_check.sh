@@ -246,7 +246,7 @@ LEG2_OK=$?
 
 # --- 1. the suite with its GPU tests under the image's transformers (leg 2 runs last: see below) ---------------------
 # A test that hangs fails alone, where pytest-timeout is there (the H200 has it), instead of taking the leg's time.
-PYTEST=(-m pytest "${SUITE[@]}" -p no:cacheprovider -v -rfEs)
+PYTEST=(-m pytest "${SUITE[@]}" -p no:cacheprovider -p no:randomly -v -rfEs)
 if env PYTHONPATH="$BASE_PATH" "$VPY" -c "import pytest_timeout" 2>/dev/null; then
     PYTEST+=(--timeout 120)
 fi

@@ -1232,15 +1232,19 @@ class _Hold:
 class _LayerStash:
     """The stash of one decoder layer, which wraps each checkpointed call in a ``_CheckpointCall``: its name,
     implementation, config, layer and modules (only their attention calls are the layer's), model, counters, whether it
-    is active, and the stored checkpoint function wrapped for the last read."""
+    is active, the stored checkpoint function wrapped for the last read, whether the layer was checkpointed at the
+    install or since (a training forward without checkpointing then stands aside), and whether it stands aside, warned
+    of, since its last checkpointed call."""
 
     def __init__(self, plan, model, counters):
         self.name, self.implementation, self.config = plan.name, plan.implementation, plan.config
         self.layer, self.modules = weakref.ref(plan.layer), weakref.WeakSet(plan.layer.modules())
         self.model, self.counters, self.active, self.wrapped = weakref.ref(model), counters, True, None
+        self.checkpointed, self.aside = plan.layer.gradient_checkpointing is True, False
 
     def checkpoint(self, checkpoint_function, function, *args, **kwargs):
         """The layer's checkpoint function, as the stash hands it to Hugging Face's checkpointed call."""
+        self.checkpointed, self.aside = True, False
         if not torch.is_grad_enabled():
             # No graph, so no backward to serve: transformers <= 5.22 checkpoints no_grad forwards too.
             return checkpoint_function(function, *args, **kwargs)
@@ -1253,8 +1257,10 @@ class _LayerStash:
                                       f"without torch.compile.")
         return checkpoint_function(_CheckpointCall(self, function), *args, **kwargs)
 
-    def raise_outside_checkpoint(self):
-        """Raise for a training call of the layer's attention that the stash's checkpoint call does not run."""
+    def outside_checkpoint(self):
+        """For a training call of the layer's attention that the stash's checkpoint call does not run: stand aside
+        (stock attention, nothing kept) where the layer's checkpointing was turned off since it was on, warning once
+        until a checkpointed call; else raise."""
         layer = self.layer()
         owner = None if layer is None or _held is None else _class_defining(type(layer), _CHECKPOINT_FUNCTION)
         if owner is not None and owner is not _held.layer_class:
@@ -1270,19 +1276,30 @@ class _LayerStash:
                                       f"{_CHECKPOINT_FUNCTION}, or of a layer that shares the attention module "
                                       f"without a stash. Install the stash before the forward, and checkpoint the "
                                       f"layer through Hugging Face's activation checkpointing.")
+        stand_aside = self.checkpointed and not layer.gradient_checkpointing
+        if stand_aside and self.aside:
+            return
         model = self.model()
         checkpointed = [] if model is None else [
             plan.name for plan in _model_plans(model, *_entry_points())[0] if plan.layer.gradient_checkpointing
         ]
         stashable = (f" The attention layers checkpointed now are {', '.join(checkpointed)}: remove() the stash and "
                      f"install it again, and num_layers counts those." if checkpointed else "")
+        if stand_aside:
+            unserved = [stash for stash in dict.fromkeys(_STASHES.values()) if stash.counters is self.counters
+                        and stash.checkpointed and not getattr(stash.layer(), "gradient_checkpointing", True)]
+            for stash in unserved:
+                stash.aside = True
+            logger.warning(f"{_FEATURE}: {', '.join(stash.name for stash in unserved)} run stock attention and keep "
+                           f"nothing in training forwards without activation checkpointing, turned off on them since "
+                           f"it was on: no recompute to serve. Enable it again to serve them.{stashable}")
+            return
         raise AttentionStashError(f"{_FEATURE} needs Hugging Face activation checkpointing for a training forward of "
                                   f"{self.name}, got no activation checkpointing on it (none enabled, every_n_layers "
                                   f"leaves it out, or a layer without a stash shares its attention module). Call "
                                   f"model.activation_checkpointing_enable() (gradient_checkpointing_enable() up to "
                                   f"transformers 5.22), reentrant or not, or put the model in eval mode or "
-                                  f"torch.no_grad() for "
-                                  f"forwards without a backward.{stashable}")
+                                  f"torch.no_grad() for forwards without a backward.{stashable}")
 
     def raise_other_implementation(self, implementation):
         """Raise for an attention call of the layer through another implementation than the install's."""
@@ -1411,7 +1428,7 @@ def _stashing_entry(original, place, implementation):
         if torch.is_grad_enabled() and module.training:
             stash = _STASHES.get(module)
             if stash is not None and stash.layer() is not None:
-                stash.raise_outside_checkpoint()
+                stash.outside_checkpoint()
         return original(module, *args, **kwargs)
 
     _ENTRIES[stashing_entry] = original
@@ -2023,9 +2040,11 @@ def install_attention_stash(model: torch.nn.Module,
             raise ValueError(f"{_FEATURE} needs a memory_budget of at least one layer's {next(planned(plans))[1]:,} "
                              f"bytes per micro-batch in flight x {micro_batches_in_flight}, got {memory_budget:,}.")
     if not 1 <= num_layers <= len(plans):
-        checkpointed = "checkpointed " if any(why == _NOT_CHECKPOINTED for _, why in others) else ""
-        raise ValueError(f"{_FEATURE} needs num_layers from 1 to the model's {len(plans)} {checkpointed}attention "
-                         f"layers (of {len(plans) + len(others)} decoder layers), got {num_layers}.")
+        left_out = any(why == _NOT_CHECKPOINTED for _, why in others)
+        fix = (f" every_n_layers leaves the others without a recompute to serve: num_layers={len(plans)} stashes all "
+               f"it checkpoints." if left_out else "")
+        raise ValueError(f"{_FEATURE} needs num_layers from 1 to the model's {len(plans)} {'checkpointed ' * left_out}"
+                         f"attention layers (of {len(plans) + len(others)} decoder layers), got {num_layers}.{fix}")
     chosen = plans[-num_layers:]
     if sizes is None and micro_batch_size is not None:
         sizes = list(planned(chosen))

@@ -176,8 +176,8 @@ def build_hub_kernel(root, repo_id):
     process) before the kernels package imports the mirror, whose custom ops register in that namespace.
     """
     build = HUB_BUILDS[repo_id]
-    source = (pathlib.Path(__file__).parent / "hub_builds" / f"{build.package}.py").read_text()
-    namespace = f"_{build.package}_" + hashlib.sha256(source.encode()).hexdigest()[:7]
+    source = _mirror(build)
+    namespace = hub_kernel_name(repo_id)
     # The fields kernels 0.17.2 requires; the version transformers asks for (FLASH_ATTN_KERNEL_VERSIONS).
     metadata = dict(id=namespace, name=repo_id.partition("/")[2], version=build.version, license="BSD-3-Clause",
                     backend={"type": "cpu"})
@@ -195,6 +195,16 @@ def build_hub_kernel(root, repo_id):
     for schema, kernel, fake in build.ops:
         _define(namespace, schema, kernel, fake)
     return variant
+
+
+def _mirror(build):
+    return (pathlib.Path(__file__).parent / "hub_builds" / f"{build.package}.py").read_text()
+
+
+def hub_kernel_name(repo_id):
+    """The name of ``repo_id``'s local build (a key of HUB_BUILDS): its module's in sys.modules, its ops' namespace."""
+    build = HUB_BUILDS[repo_id]
+    return f"_{build.package}_" + hashlib.sha256(_mirror(build).encode()).hexdigest()[:7]
 
 
 def use_hub_kernel(monkeypatch, tmp_path_factory_or_root, repo_id="kernels-community/flash-attn2"):

@@ -245,6 +245,8 @@ def bare_call(function, implementation="sdpa"):
 
     counters = attention_stash._Counters()
     layer = torch.nn.Linear(1, 1)
+    # As a decoder layer with checkpointing enabled (GradientCheckpointingLayer's attribute), read by the stash.
+    layer.gradient_checkpointing = True
     plan = types.SimpleNamespace(name="attention",
                                  layer=layer,
                                  config=types.SimpleNamespace(_attn_implementation=implementation),

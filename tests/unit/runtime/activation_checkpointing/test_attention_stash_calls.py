@@ -279,38 +279,112 @@ def test_reentrant_checkpoint_around_the_whole_model(install):
     assert not live_checkpoint_calls()
 
 
-def test_checkpointing_enabled_again_and_every_n_layers(install):
-    model = checkpointed(mixtral_model())
+def _disable(model):
+    getattr(model, "activation_checkpointing_disable", model.gradient_checkpointing_disable)()
+
+
+def _stand_aside_warnings(messages):
+    return [message for message in messages if "run stock attention and keep nothing" in message]
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non_reentrant"])
+def test_checkpointing_disabled_and_enabled_again(install, use_reentrant):
+    """Checkpointing turned off after the install: training steps without it run stock attention, keep nothing and
+    warn once, naming the layers; enabled again, the stash serves every stashed layer. So also on a model whose
+    checkpointing was enabled after the install and served a step."""
+    model = checkpointed(mixtral_model(), use_reentrant)
     ids = batch_ids()
     expected_loss, expected = train_step(model, ids)
     handle = install(model, NUM_LAYERS)
-    disable = getattr(model, "activation_checkpointing_disable", model.gradient_checkpointing_disable)
-    disable()
-    checkpointed(model)
+    _disable(model)
+    with logged_messages() as messages:
+        for _ in range(2):
+            # Without checkpointing, as with it: the same loss and gradients on CPU.
+            loss, grads = train_step(model, ids)
+            assert torch.equal(loss, expected_loss)
+            assert_same_grads(grads, expected)
+            assert _counts(handle) == (0, 0, 0, 0)
+    assert _stand_aside_warnings(messages) == [
+        "attention stash: model.layers.0, model.layers.1, model.layers.2 run stock attention and keep nothing in "
+        "training forwards without activation checkpointing, turned off on them since it was on: no recompute to "
+        "serve. Enable it again to serve them."
+    ]
+    checkpointed(model, use_reentrant)
     loss, grads = stashed_train_step(model, handle, ids)
     assert torch.equal(loss, expected_loss)
     assert_same_grads(grads, expected)
 
-    # Every second layer checkpointed: layers 0 and 2. Layer 1 is stashed but not checkpointed.
-    disable()
-    enable = getattr(model, "activation_checkpointing_enable", None)
-    if enable is not None:
-        enable(activation_checkpointing_kwargs={"use_reentrant": True}, every_n_layers=2)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True}, every_n_layers=2)
+    # Off again after a served step: one warning again.
+    _disable(model)
+    with logged_messages() as messages:
+        train_step(model, ids)
+    assert len(_stand_aside_warnings(messages)) == 1 and _counts(handle) == (0, 0, NUM_LAYERS, 0)
+    handle.remove()
+
+    # Installed before checkpointing was enabled: served once enabled, standing aside once it is off again.
+    model = mixtral_model().train()
+    handle = install(model, NUM_LAYERS)
+    checkpointed(model, use_reentrant)
+    stashed_train_step(model, handle, ids)
+    _disable(model)
+    with logged_messages() as messages:
+        loss, grads = train_step(model, ids)
+    assert len(_stand_aside_warnings(messages)) == 1 and _counts(handle) == (0, 0, NUM_LAYERS, 0)
+    assert torch.equal(loss, expected_loss)
+    assert_same_grads(grads, expected)
+
+
+def test_training_refused_where_checkpointing_was_never_on(install):
+    """Installed on a model whose checkpointing is off and was never on while stashed: the training forward is
+    refused, not served stock, and keeps nothing."""
+    model = mixtral_model().train()
+    _disable(model)
+    handle = install(model, NUM_LAYERS)
     with pytest.raises(RuntimeError,
                        match="needs Hugging Face activation checkpointing for a training forward of "
-                       "model.layers.1, got no activation checkpointing on it .* The attention layers checkpointed "
-                       "now are model.layers.0, model.layers.2: remove.. the stash and install it again, and "
-                       "num_layers counts those."):
-        model(input_ids=ids, labels=ids)
+                       "model.layers.0, got no activation checkpointing on it"):
+        model(input_ids=batch_ids(), labels=batch_ids())
+    assert _counts(handle) == (0, 0, 0, 0)
+
+
+def test_every_n_layers_enabled_after_the_install(install):
+    """every_n_layers=2 enabled after installing on all 3 layers: layer 1 stands aside (stock, one warning naming it
+    and the layers checkpointed now, not repeated in the next step, whose other layers are served), layers 0 and 2 are
+    served; installed again on those 2, all are served."""
+    model = checkpointed(mixtral_model())
+    ids = batch_ids()
+    expected_loss, expected = train_step(model, ids)
+    handle = install(model, NUM_LAYERS)
+    _disable(model)
+    every_n_layers(model, 2)
+    with logged_messages() as messages:
+        for step in range(1, 3):
+            loss, grads = train_step(model, ids)
+            assert torch.equal(loss, expected_loss)
+            assert_same_grads(grads, expected)
+            assert _counts(handle) == (0, 0, 2 * step, 0)
+    assert _stand_aside_warnings(messages) == [
+        "attention stash: model.layers.1 run stock attention and keep nothing in training forwards without activation "
+        "checkpointing, turned off on them since it was on: no recompute to serve. Enable it again to serve them. The "
+        "attention layers checkpointed now are model.layers.0, model.layers.2: remove() the stash and install it "
+        "again, and num_layers counts those."
+    ]
     handle.remove()
     handle = install(model, 2)
     assert handle.layers == ("model.layers.0", "model.layers.2")
-    model.zero_grad(set_to_none=True)
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
+    train_step(model, ids)
     assert _counts(handle) == (0, 0, 2, 0)
+
+
+def test_every_n_layers_num_layers_counts_the_checkpointed_layers(install):
+    """every_n_layers=2 on 3 layers checkpoints 2 attention layers: num_layers=3 is refused, naming the fix."""
+    model = every_n_layers(mixtral_model(), 2)
+    with pytest.raises(ValueError,
+                       match=r"needs num_layers from 1 to the model's 2 checkpointed attention layers "
+                       r"\(of 3 decoder layers\), got 3. every_n_layers leaves the others without a recompute to "
+                       r"serve: num_layers=2 stashes all it checkpoints."):
+        install_attention_stash(model, 3)
+    assert install(model, 2).layers == ("model.layers.0", "model.layers.2")
 
 
 @pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non_reentrant"])
@@ -323,7 +397,8 @@ def test_every_n_layers_with_an_even_layer_count(install, use_reentrant):
     expected_loss, expected = train_step(model, ids)
     with pytest.raises(ValueError,
                        match="needs num_layers from 1 to the model's 2 checkpointed attention layers "
-                       r"\(of 4 decoder layers\), got 3."):
+                       r"\(of 4 decoder layers\), got 3. every_n_layers leaves the others without a recompute to "
+                       r"serve: num_layers=2 stashes all it checkpoints."):
         install_attention_stash(model, 3)
     assert attention_stash.attention_stash_layers_for_budget(model, 10**9, 2, 32) == 2
     with logged_messages() as messages:

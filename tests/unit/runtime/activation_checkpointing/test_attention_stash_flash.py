@@ -12,6 +12,7 @@ kernels run, through the decoder layers called directly, as in test_attention_st
 """
 
 import gc
+import inspect
 import sys
 from collections import Counter
 
@@ -417,13 +418,30 @@ def test_an_install_without_flash_attn_is_refused(flash, monkeypatch):
     assert attention_stash._held is None
 
 
-def test_a_flash_attn_without_the_entry_points_the_stash_calls_is_refused(flash, monkeypatch):
+@pytest.mark.parametrize("change", ["missing", "reordered"])
+def test_a_flash_attn_without_flash_attn_2_8s_kernel_functions_is_refused(flash, monkeypatch, change):
+    """A flash-attn build without a kernel function the stash calls, or whose kernel function has flash-attn 2.8's
+    parameter names in another order (another build, whose autograd functions the stash has not been checked against,
+    though it passes every argument by name): refused at the install, naming what differs."""
     model = flash_model("llama")
-    monkeypatch.delattr(FLASH_ATTN, "_wrapped_flash_attn_varlen_backward")
+    if change == "missing":
+        monkeypatch.delattr(FLASH_ATTN, "_wrapped_flash_attn_varlen_backward")
+        found = "without _wrapped_flash_attn_varlen_backward"
+    else:
+        names = attention_stash._FLASH_FAMILIES[0].signatures[0].split()
+        reordered = [names[1], names[0], *names[2:]]
+
+        def reordered_forward(*args, **kwargs):
+            raise AssertionError("not called")
+
+        reordered_forward.__signature__ = inspect.Signature(
+            [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD) for name in reordered])
+        monkeypatch.setattr(FLASH_ATTN, "_wrapped_flash_attn_forward", reordered_forward)
+        found = rf"_wrapped_flash_attn_forward\({', '.join(reordered)}\)"
     with pytest.raises(RuntimeError,
                        match=r"needs flash-attn 2's interface as flash-attn 2\.8 has it for attn_implementation="
-                       r"\"flash_attention_2\", got flash_attn 2\.8\.3 \(flash_attn\.flash_attn_interface\) without "
-                       r"_wrapped_flash_attn_varlen_backward\. Install flash-attn 2\.8"):
+                       r"\"flash_attention_2\", got flash_attn 2\.8\.3 \(flash_attn\.flash_attn_interface\) " + found +
+                       r"\. Install flash-attn 2\.8"):
         attention_stash.install_attention_stash(model, 1)
     assert attention_stash._held is None
 
@@ -844,22 +862,79 @@ def test_a_recompute_with_another_flash_setting_is_refused(install, flash, chang
     assert (handle.num_kept, handle.kept_bytes, handle.released_without_backward) == (0, 0, 2 - window)
 
 
-@MODES
-def test_trained_keys_and_values_beside_a_frozen_query_projection(install, flash, use_reentrant):
-    """Only the key and value projections train (LoRA on k/v alone): the first layer's queries need no grad while
-    its keys and values do. Served bitwise, with the recompute's attention forwards skipped."""
-    model = flash_model("llama", use_reentrant)
+def test_trained_keys_and_values_beside_a_frozen_query_projection(install, flash):
+    """Only the key and value projections train (LoRA on k/v alone), on input embeddings that need no grad (a frozen
+    encoder's, which Hugging Face's hook for input grads does not reach): under non-reentrant checkpointing, whose
+    first pass runs with grad, the first layer's queries need no grad while its keys and values do. Served bitwise,
+    the first layer's keys and values trained through the stash's node, the recompute's attention forwards skipped."""
+    model = flash_model("llama", use_reentrant=False)
     for name, param in model.named_parameters():
         param.requires_grad_(".k_proj." in name or ".v_proj." in name)
     inputs, _ = make_batch("plain")
+    inputs["inputs_embeds"] = model.model.embed_tokens(inputs.pop("input_ids")).detach()
+    queries = []
+    model.model.layers[0].self_attn.q_proj.register_forward_hook(lambda *args: queries.append(args[-1].requires_grad))
     expected_loss, expected, _ = counted_step(model, inputs)
-    assert any(".layers.0.self_attn.k_proj." in name for name in expected) or use_reentrant
+    assert set(queries) == {False} and "model.layers.0.self_attn.k_proj.weight" in expected
     handle = install(model, 3)
     loss, grads, calls = counted_step(model, inputs)
     assert calls["_flash_attn_forward"] == 3
     assert (handle.recomputes_served, handle.num_kept) == (3, 0)
     assert torch.equal(loss, expected_loss)
     assert_same_grads(grads, expected)
+
+
+@MODES
+@pytest.mark.parametrize("change", ["dropped", "added"])
+def test_a_padding_mask_dropped_or_added_in_the_recompute_is_refused(install, flash, change, use_reentrant):
+    """A padded batch whose layer gets no position_ids (a model that passes none to its attention): the forward's
+    padding mask dropped in the recompute, or a mask the forward did not get added there, is refused by name, before
+    the recompute calls flash-attn."""
+    model = flash_model("llama", use_reentrant)
+    inputs, _ = make_batch("padded")
+    # Popped from the end: the forward's first. Each keeps or drops the layer's padding mask.
+    masks = []
+
+    def hook(module, args, kwargs):
+        mask = kwargs["attention_mask"] if masks.pop() else None
+        return args, {**kwargs, "attention_mask": mask, "position_ids": None}
+
+    model.model.layers[2].self_attn.register_forward_pre_hook(hook, with_kwargs=True)
+    handle = install(model, 1)
+    masks.extend([True, True])
+    model(**inputs).loss.backward()
+    assert (handle.recomputes_served, handle.num_kept) == (1, 0)
+    masks.extend([False, True] if change == "dropped" else [True, False])
+    loss = model(**inputs).loss
+    with pytest.raises(RuntimeError,
+                       match=r"needs the recompute of model\.layers\.2 to get its forward's padding mask, got a "
+                       r"change from or to none: the kept output is the forward's"):
+        loss.backward()
+    assert (handle.num_kept, handle.recomputes_served, handle.released_without_backward) == (0, 1, 1)
+
+
+@MODES
+def test_cu_seqlens_of_other_versions_are_each_compared_with_their_own(install, flash, use_reentrant):
+    """A collator's cu_seq_lens_q and cu_seq_lens_k, two tensors whose version counters differ at the forward (one was
+    written in place before it): unchanged, the step is served; either one changed in place alone after the forward is
+    named."""
+    model = flash_model("llama", use_reentrant)
+    inputs, _ = make_batch("packed_cu_seq_lens")
+    inputs["cu_seq_lens_q"].add_(0)
+    assert (inputs["cu_seq_lens_q"]._version, inputs["cu_seq_lens_k"]._version) == (1, 0)
+    expected_loss, expected, _ = counted_step(model, inputs)
+    handle = install(model, 3)
+    loss, grads, _ = counted_step(model, inputs)
+    assert (handle.recomputes_served, handle.num_kept) == (3, 0)
+    assert torch.equal(loss, expected_loss)
+    assert_same_grads(grads, expected)
+    for name in ("cu_seqlens_k", "cu_seqlens_q"):
+        loss = model(**inputs).loss
+        inputs[name.replace("seqlens", "seq_lens")].add_(0)
+        with pytest.raises(RuntimeError, match=f"got another {name} \\(changed in place\\) \\(attention call 1\\)"):
+            loss.backward()
+        del loss
+    assert (handle.num_kept, handle.recomputes_served) == (0, 3)
 
 
 def test_a_flash_call_under_a_torch_func_transform_is_refused(install, flash):

@@ -91,12 +91,12 @@ def _inputs(varlen, head_dim):
     return tensor(HEADS, 1), tensor(KEY_HEADS, 2), tensor(KEY_HEADS, 3)
 
 
-def _arguments(varlen, head_dim):
+def _arguments(varlen, head_dim, deterministic=False):
     """One flash call's arguments, each of a distinct value where two share a type."""
     cu_seqlens = (torch.tensor(CU_SEQLENS_Q, dtype=torch.int32),
                   torch.tensor(CU_SEQLENS_K, dtype=torch.int32)) if varlen else (None, None)
     max_seqlens = (5, 4) if varlen else (None, None)
-    return attention_stash._FlashArguments(0.0, head_dim**-0.5, True, (3, 5), 2.5, None, False, *cu_seqlens,
+    return attention_stash._FlashArguments(0.0, head_dim**-0.5, True, (3, 5), 2.5, None, deterministic, *cu_seqlens,
                                            *max_seqlens)
 
 
@@ -136,15 +136,17 @@ def _ours(recorder, ops, query, key, value, arguments, grad):
     return out, saved, grads, recorder.calls[start:]
 
 
+@pytest.mark.parametrize("deterministic", [False, True], ids=["nondeterministic", "deterministic"])
 @pytest.mark.parametrize("head_dim", [16, 36], ids=["head_dim_16", "head_dim_36_padded"])
 @pytest.mark.parametrize("varlen", [False, True], ids=["flash_attn_func", "flash_attn_varlen_func"])
-def test_kernel_calls_and_saves_follow_flash_attns_functions(monkeypatch, interface, varlen, head_dim):
+def test_kernel_calls_and_saves_follow_flash_attns_functions(monkeypatch, interface, varlen, head_dim, deterministic):
     """The stash's forward and backward kernel calls are flash-attn's, argument for argument; its node saves what
     flash-attn's function saves, in its order (under non-reentrant checkpointing they fill that function's node);
-    and its output and gradients are flash-attn's. For flash-attn's package and a Hub build of it alike."""
+    and its output and gradients are flash-attn's. For flash-attn's package and a Hub build of it alike, with
+    deterministic backwards (FLASH_ATTENTION_DETERMINISTIC=1) or not: the setting reaches the backward kernel."""
     ops = interface.varlen_ops if varlen else interface.ops
     recorder = Recorder(monkeypatch, interface)
-    arguments = _arguments(varlen, head_dim)
+    arguments = _arguments(varlen, head_dim, deterministic)
     query, key, value = _inputs(varlen, head_dim)
     grad = torch.randn(query.shape, generator=torch.Generator().manual_seed(4))
     their_out, their_saved, their_grads, their_calls = _theirs(recorder, varlen, query, key, value, arguments, grad)
@@ -158,6 +160,7 @@ def test_kernel_calls_and_saves_follow_flash_attns_functions(monkeypatch, interf
     assert all(same_value(mine, their) for mine, their in zip(grads, their_grads))
     # The padded head dimension reached the kernels, and the gradients were sliced back.
     assert their_calls[0][1]["q"].shape[-1] == head_dim + -head_dim % 8 and grads[0].shape == query.shape
+    assert calls[-1][1]["deterministic"] is deterministic
 
 
 def test_a_planted_swap_is_caught(monkeypatch):

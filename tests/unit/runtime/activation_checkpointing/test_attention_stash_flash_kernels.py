@@ -28,7 +28,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from deepspeed.runtime.activation_checkpointing import attention_stash
 
 from attention_stash_flash import flash_attn_or_skip
-from attention_stash_flash3 import HUB_BUILDS, flash_kernels_or_skip, use_flash_attention_3, use_hub_kernel
+from attention_stash_flash3 import (HUB_BUILDS, flash_kernels_or_skip, hub_kernel_name, use_flash_attention_3,
+                                    use_hub_kernel)
 from attention_stash_helpers import (assert_same_calls, assert_same_grads, assert_stock_process, bound_arguments,
                                      checkpointed, kept_outputs, live_checkpoint_calls, llama_model, logged_messages,
                                      mistral_model, param_grads, qwen3_moe_model, same_value)
@@ -125,15 +126,14 @@ def kernel_ops(implementation, kind):
     return f"{varlen}fwd", f"{varlen}bwd"
 
 
-def source(implementation, registered=None):
-    """What the install line says the implementation's kernels are (a Hub kernel's, installed under ``registered``
-    where a fallback loaded it for another name)."""
-    if implementation == "flash_attention_3":
+def source(implementation):
+    """What the install line says the implementation's kernels are: flash-attn 3's module, or a Hub kernel's local
+    build, by its repository (the name of its build, whatever implementation Hugging Face loaded it for)."""
+    repo_id = implementation.partition("@")[0]
+    if repo_id == "flash_attention_3":
         return "flash-attn 3's interface from flash_attn_interface"
-    module = attention_stash._FLASH_INTERFACES[registered or implementation].function.__module__.partition(".")[0]
-    version = HUB_BUILDS[implementation].version
-    return (f"{FAMILY[implementation][0]}'s interface from the Hub kernel {implementation.partition('/')[2]} version "
-            f"{version}, a local build ({module})")
+    return (f"{FAMILY[repo_id][0]}'s interface from the Hub kernel {repo_id.partition('/')[2]} version "
+            f"{HUB_BUILDS[repo_id].version}, a local build ({hub_kernel_name(repo_id)})")
 
 
 @MODES
@@ -222,12 +222,65 @@ def test_flash_attention_2_served_through_hugging_faces_hub_kernel_fallback(inst
     assert stock_calls == {"fwd": 6, "bwd": 3}
     with logged_messages() as messages:
         handle = install(model, 3)
-    line = f'; attn_implementation "flash_attention_2" ({source(HUB, "flash_attention_2")}).'
+    line = f'; attn_implementation "flash_attention_2" ({source(HUB)}).'
     assert messages[-1].endswith(line), messages
     loss, grads, calls = counted_step(model, inputs)
     assert calls == {"fwd": 3, "bwd": 3} and handle.recomputes_served == 3
     assert torch.equal(loss, expected_loss)
     assert_same_grads(grads, expected)
+
+
+def test_an_implementation_whose_functions_change_is_served_with_the_new_ones(install, monkeypatch, tmp_path_factory):
+    """flash_attention_2 installed over flash-attn's package, then, once Hugging Face hands out other functions for
+    it (the package gone, its lazy import falls back to the Hub kernel kernels-community/flash-attn2), installed on
+    another model: that install finds the new functions, names them, and serves them bitwise."""
+    import transformers.modeling_flash_attention_utils as flash_utils
+    from attention_stash_flash import use_flash_attention_2
+
+    inputs, _ = make_batch("plain")
+    with monkeypatch.context() as patch:
+        use_flash_attention_2(patch)
+        model = kernel_model("llama", "flash_attention_2")
+        handle = install(model, 3)
+        model(**inputs).loss.backward()
+        assert handle.recomputes_served == 3
+        handle.remove()
+    use_hub_kernel(monkeypatch, tmp_path_factory, HUB)
+    monkeypatch.setattr(flash_utils, "is_flash_attn_2_available", lambda *args, **kwargs: False)
+    model = kernel_model("llama", "flash_attention_2")
+    expected_loss, expected, _ = counted_step(model, inputs)
+    with logged_messages() as messages:
+        handle = install(model, 3)
+    assert messages[-1].endswith(f'; attn_implementation "flash_attention_2" ({source(HUB)}).')
+    loss, grads, calls = counted_step(model, inputs)
+    assert calls == {"fwd": 3, "bwd": 3} and handle.recomputes_served == 3
+    assert torch.equal(loss, expected_loss)
+    assert_same_grads(grads, expected)
+
+
+def test_two_revisions_of_a_hub_kernel_are_served_side_by_side(install, monkeypatch, tmp_path_factory):
+    """Two models of one process on two revisions of one Hub kernel ("kernels-community/flash-attn2@v1" and "@v2",
+    each its own attention implementation in Hugging Face's interface): each install names its revision, and both
+    stashes serve their model's steps, each through its own implementation's entry."""
+    import transformers.modeling_flash_attention_utils as flash_utils
+
+    use_hub_kernel(monkeypatch, tmp_path_factory, HUB)
+    inputs, _ = make_batch("plain")
+    models, handles, expected = [], [], []
+    for revision in ("v1", "v2"):
+        name = f"{HUB}@{revision}"
+        flash_utils.lazy_import_flash_attention(name)
+        model = kernel_model("llama", name)
+        expected.append(counted_step(model, inputs)[:2])
+        with logged_messages() as messages:
+            handles.append(install(model, 3))
+        assert messages[-1].endswith(f'; attn_implementation "{name}" ({source(name)}).'), messages
+        models.append(model)
+    for model, handle, (expected_loss, expected_grads) in zip(models, handles, expected):
+        loss, grads, calls = counted_step(model, inputs)
+        assert calls == {"fwd": 3, "bwd": 3} and handle.recomputes_served == 3
+        assert torch.equal(loss, expected_loss)
+        assert_same_grads(grads, expected_grads)
 
 
 @MODES
@@ -708,7 +761,7 @@ class Recorder:
         return kernel
 
 
-def _flash3_case(varlen):
+def _flash3_case(varlen, deterministic=False):
     """Query, key, value and the arguments of one call, each of a distinct value where two share a type."""
     generator = torch.Generator().manual_seed(0)
     shape = (8, ) if varlen else (2, 4)
@@ -722,7 +775,7 @@ def _flash3_case(varlen):
                                                 causal=True,
                                                 window_size=(3, 5),
                                                 softcap=2.5,
-                                                deterministic=False,
+                                                deterministic=deterministic,
                                                 num_splits=3,
                                                 pack_gqa=False,
                                                 sm_margin=7,
@@ -776,10 +829,10 @@ def _flash_3_interface(monkeypatch, tmp_path_factory, implementation):
     return interface, sys.modules[interface.function.__module__]
 
 
-def _bound_case(monkeypatch, tmp_path_factory, implementation, varlen, ops=None):
+def _bound_case(monkeypatch, tmp_path_factory, implementation, varlen, ops=None, deterministic=False):
     interface, module = _flash_3_interface(monkeypatch, tmp_path_factory, implementation)
     recorder = Recorder(monkeypatch, module)
-    query, key, value, arguments = _flash3_case(varlen)
+    query, key, value, arguments = _flash3_case(varlen, deterministic)
     grad = torch.randn(query.shape, generator=torch.Generator().manual_seed(4))
     theirs = _theirs_3(module, varlen, query, key, value, arguments, grad)
     their_calls = recorder.calls[:]
@@ -789,15 +842,19 @@ def _bound_case(monkeypatch, tmp_path_factory, implementation, varlen, ops=None)
 
 
 @FLASH_3_BUILDS
+@pytest.mark.parametrize("deterministic", [False, True], ids=["nondeterministic", "deterministic"])
 @pytest.mark.parametrize("varlen", [False, True], ids=["flash_attn_func", "flash_attn_varlen_func"])
-def test_kernel_calls_and_saves_follow_flash_attn_3s_functions(monkeypatch, tmp_path_factory, implementation, varlen):
+def test_kernel_calls_and_saves_follow_flash_attn_3s_functions(monkeypatch, tmp_path_factory, implementation, varlen,
+                                                               deterministic):
     """The stash calls the forward and backward kernel functions of flash-attn 3 (of its Hub build, of vLLM's) as its
-    FlashAttnFunc (FlashAttnVarlenFunc) calls them, argument for argument, and its node saves what that function saves,
-    in its order: (query, key, value, output, log-sum-exp, [cu_seqlens_q, cu_seqlens_k]); its output and gradients are
-    that function's."""
-    (out, saved, grads), (their_out, their_saved, their_grads), calls, their_calls = _bound_case(
-        monkeypatch, tmp_path_factory, implementation, varlen)
+    FlashAttnFunc (FlashAttnVarlenFunc) calls them, argument for argument, deterministic backwards among them, and its
+    node saves what that function saves, in its order: (query, key, value, output, log-sum-exp, [cu_seqlens_q,
+    cu_seqlens_k]); its output and gradients are that function's."""
+    ours, theirs, calls, their_calls = _bound_case(monkeypatch, tmp_path_factory, implementation, varlen,
+                                                   deterministic=deterministic)
+    (out, saved, grads), (their_out, their_saved, their_grads) = ours, theirs
     assert_same_calls(calls, their_calls)
+    assert calls[-1][1]["deterministic"] is deterministic
     assert len(saved) == len(their_saved) == (7 if varlen else 5)
     assert all(same_value(mine, their) for mine, their in zip(saved, their_saved))
     assert same_value(out, their_out)

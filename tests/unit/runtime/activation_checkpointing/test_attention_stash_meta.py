@@ -112,19 +112,19 @@ def _pytorch_choice(backend):
     return choose
 
 
+def use_backend_on_meta(monkeypatch, name):
+    """Serve the backend ``name`` on the meta device from a fresh process's state; returns the table's ops for it."""
+    backend, ops = BACKENDS[name]
+    monkeypatch.setattr(torch, "_fused_sdp_choice", _pytorch_choice(backend))
+    monkeypatch.setitem(attention_stash._BACKENDS, ("meta", backend.value), ops)
+    # F.sdpa's own mask preparation does not run on meta: the GPU check compares it.
+    monkeypatch.setattr(attention_stash, "_MASKS_CHECKED", {(ops, torch.bool, DTYPE)})
+    return ops
+
+
 @pytest.fixture
 def cuda_backend_on_meta(monkeypatch):
-    """Serve ``backend`` on the meta device from a fresh process's state; returns the table's ops for it."""
-
-    def use(name):
-        backend, ops = BACKENDS[name]
-        monkeypatch.setattr(torch, "_fused_sdp_choice", _pytorch_choice(backend))
-        monkeypatch.setitem(attention_stash._BACKENDS, ("meta", backend.value), ops)
-        # F.sdpa's own mask preparation does not run on meta: the GPU check compares it.
-        monkeypatch.setattr(attention_stash, "_MASKS_CHECKED", {(ops, torch.bool, DTYPE)})
-        return ops
-
-    return use
+    return lambda name: use_backend_on_meta(monkeypatch, name)
 
 
 def _meta_model(name):
