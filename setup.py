@@ -12,7 +12,7 @@ from setuptools import setup
 setup(
     name="deepspeed-attention-stash",
     version="0.1.0",
-    description="Attention-output stash for Hugging Face reentrant activation checkpointing in DeepSpeed",
+    description="Attention-output stash for Hugging Face activation checkpointing (reentrant or not) in DeepSpeed",
     license="Apache-2.0",
     python_requires=">=3.10",
     py_modules=["deepspeed.runtime.activation_checkpointing.attention_stash"],

@@ -44,7 +44,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import torch.utils.checkpoint
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from deepspeed.utils import logger
+from deepspeed.utils import log_dist, logger
+
+__all__ = ["AttentionStashError", "AttentionStashHandle", "install_attention_stash", "attention_stash_layer_bytes",
+           "attention_stash_layers_for_budget"]
 
 aten = torch.ops.aten
 
@@ -552,6 +555,11 @@ class _AttentionNode(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        if torch.is_grad_enabled():
+            raise AttentionStashError(f"{_FEATURE} needs first-order gradients, got a backward that records a graph "
+                                      f"(create_graph=True, for a second-order gradient), which the attention "
+                                      f"kernels' backward does not differentiate. Remove the stash (handle.remove()) "
+                                      f"for steps that take second-order gradients.")
         query, key, value, mask, out, *tensors = ctx.saved_tensors
         grads = ctx.ops.backward(grad, query, key, value, mask, out, tensors, ctx.scalars, ctx.arguments,
                                  ctx.needs_input_grad)
@@ -1578,7 +1586,8 @@ def _entry_points():
         missing.append(f'transformers.modeling_utils.{_INTERFACE}["sdpa"]')
     if missing:
         raise AttentionStashError(f"{_FEATURE} needs PyTorch 2.11 or newer and transformers 5.x, got an installation "
-                                  f"without {', '.join(missing)}.")
+                                  f"without {', '.join(missing)}. It is tested on PyTorch 2.13 to 2.15: install one "
+                                  f"of those, and report a newer release that moved these.")
     return layer_class, interface
 
 
@@ -1944,8 +1953,14 @@ def attention_stash_layers_for_budget(model: torch.nn.Module,
 class AttentionStashHandle:
     """Returned by ``install_attention_stash``: names the stashed layers, counts what they keep, uninstalls them."""
 
-    def __init__(self, stashes, counters):
+    def __init__(self, stashes, counters, summary="nothing stashed"):
         self._stashes, self._counters = stashes, counters
+        # The install's log line: what is stashed, at what cost, and what is left out and why.
+        self.summary = summary
+
+    def __repr__(self):
+        return (f"AttentionStashHandle({len(self._stashes)} layers, {self.num_kept} kept, {self.recomputes_served} "
+                f"served: {self.summary})")
 
     @property
     def layers(self):
@@ -2083,5 +2098,5 @@ def install_attention_stash(model: torch.nn.Module,
             # A model dropped without remove() leaves nothing installed either.
             stash.finalizer = weakref.finalize(plan.layer, _let_go_quietly)
             stash.finalizer.atexit = False
-    logger.info(message)
-    return AttentionStashHandle(stashes, counters)
+    log_dist(message, ranks=[0])
+    return AttentionStashHandle(stashes, counters, message)

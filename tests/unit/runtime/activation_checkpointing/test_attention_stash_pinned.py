@@ -15,7 +15,8 @@ import torch
 from deepspeed.runtime.activation_checkpointing import attention_stash
 
 from attention_stash_helpers import (CPU_BACKWARD, CPU_FORWARD, NUM_LAYERS, CountOps, assert_same_grads, batch_ids,
-                                     checkpointed, graph_nodes, live_checkpoint_calls, llama_model, param_grads)
+                                     checkpointed, graph_nodes, live_checkpoint_calls, llama_model, logged_messages,
+                                     param_grads)
 from test_attention_stash_masks import SEQUENCE, _padding_mask
 from test_attention_stash_meta import BACKENDS, BATCH, DTYPE, _layers_forward, _meta_model, use_backend_on_meta
 from test_attention_stash_meta import SEQUENCE as META_SEQUENCE
@@ -247,3 +248,38 @@ def test_the_checkpoint_function_set_after_the_install_is_the_one_that_runs(inst
     model(input_ids=ids, labels=ids).loss.backward()
     assert len(calls) == NUM_LAYERS and all(type(call) is attention_stash._CheckpointCall for call in calls)
     assert _counts(handle) == (0, 3 * NUM_LAYERS, 0)
+
+
+def test_second_order_gradients_are_refused_by_name(install):
+    """Under non-reentrant checkpointing a backward that records a graph (create_graph=True, for a gradient penalty)
+    reaches the stash's node, whose kernel backward is not differentiable: the stash's own error names it. (Reentrant
+    checkpointing's backward records none, stock or stashed: its gradients come without a graph either way.)"""
+    model = checkpointed(llama_model(), use_reentrant=False)
+    install(model, NUM_LAYERS)
+    ids = batch_ids()
+    loss = model(input_ids=ids, labels=ids).loss
+    with pytest.raises(attention_stash.AttentionStashError,
+                       match=r"needs first-order gradients, got a backward that records a graph \(create_graph=True"):
+        torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad], create_graph=True)
+
+
+def test_the_handle_names_what_it_stashed(install):
+    """handle.summary is the install's log line, which DeepSpeed's log_dist logs on rank 0 alone (every rank's handle
+    has it); repr(handle) adds the counts. A copy's handle stashes nothing, and says so. The module exports its public
+    names alone."""
+    import copy
+
+    model = checkpointed(llama_model())
+    with logged_messages() as messages:
+        handle = install(model, 2)
+    assert handle.summary.startswith("attention stash: keeping the attention output of 2 of 3 attention layers "
+                                     "(model.layers.1 to model.layers.2) for their recompute")
+    assert messages == [f"[Rank -1] {handle.summary}"]
+    ids = batch_ids()
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert repr(handle) == f"AttentionStashHandle(2 layers, 0 kept, 2 served: {handle.summary})"
+    assert repr(copy.deepcopy(handle)) == "AttentionStashHandle(0 layers, 0 kept, 0 served: nothing stashed)"
+    assert sorted(attention_stash.__all__) == [
+        "AttentionStashError", "AttentionStashHandle", "attention_stash_layer_bytes",
+        "attention_stash_layers_for_budget", "install_attention_stash"
+    ]

@@ -58,6 +58,8 @@ def test_the_planner_counts_one_ranks_bytes(reports, order, mode):
         assert case["kept_after_forward"] == expected
         assert case["planned_found"] == expected and case["planned_given"] == expected
         assert case["layers_for_budget"] == NUM_LAYERS
+        # The install line is every rank's handle.summary, and logged by rank 0 alone.
+        assert case["logged"] == ([f"[Rank 0] {case['install_line']}"] if report["rank"] == 0 else [])
         if order == "stash_first":
             # Without a batch shape, per token: 3 layers x 2 heads x (16 x 4 bytes of output + 4 of log-sum-exp).
             assert (f"{NUM_LAYERS * 2 * (16 * 4 + 4):,} bytes per token of each micro-batch in flight in "
