@@ -21,8 +21,9 @@ import types
 
 import torch
 
-INSTALL_HINT = ("FLASH_ATTENTION_FORCE_BUILD=TRUE FLASH_ATTENTION_SKIP_CUDA_BUILD=TRUE "
-                "pip install --no-build-isolation --no-deps flash-attn==2.8.3")
+# Into the repository's .test-packages folder, which tests/conftest.py puts on the test session's path.
+INSTALL_HINT = ("FLASH_ATTENTION_FORCE_BUILD=TRUE FLASH_ATTENTION_SKIP_CUDA_BUILD=TRUE pip install "
+                "--no-build-isolation --no-deps --target .test-packages flash-attn==2.8.3 (in the repository's root)")
 
 # The names in transformers.modeling_flash_attention_utils that cache the lazily imported flash functions.
 _LAZY_FLASH_NAMES = ("_loaded_implementation", "_flash_fn", "_flash_varlen_fn", "_flash_with_kvcache_fn", "_pad_fn",
