@@ -14,8 +14,7 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # alone: installed, it would tell transformers that flash-attn 2 is available on a CUDA machine. A flash-attn the
 # environment has is used as it is; the folder goes last on the path, so it never shadows an installed package.
 TEST_PACKAGES = os.path.join(_ROOT, ".test-packages")
-if (os.path.isdir(TEST_PACKAGES) and TEST_PACKAGES not in sys.path
-        and importlib.util.find_spec("flash_attn") is None):
+if (os.path.isdir(TEST_PACKAGES) and TEST_PACKAGES not in sys.path and importlib.util.find_spec("flash_attn") is None):
     sys.path.append(TEST_PACKAGES)
 
 import deepspeed.runtime.activation_checkpointing as _activation_checkpointing  # noqa: E402

@@ -96,8 +96,9 @@ def _allocating_flash_kernels():
     except ImportError:
         sys.modules.setdefault("flash_attn_2_cuda", types.ModuleType("flash_attn_2_cuda"))
     if importlib.util.find_spec("flash_attn") is None:  # the README's test command builds it into .test-packages
-        sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                                     ".test-packages"))
+        sys.path.append(
+            os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                         ".test-packages"))
     try:
         import flash_attn  # noqa: F401
     except ImportError as error:
