@@ -173,21 +173,24 @@ def assert_stashed_step_is_stock(install, model, num_layers=NUM_LAYERS, ids=None
     return handle
 
 
-def counted_step(model, **inputs):
-    """A training step on ``inputs``: its loss, the parameters' gradients, and the aten calls of its backward."""
+def counted_step(model, inputs, op_name=None, whole_step=False):
+    """A training step on ``inputs``: its loss, the parameters' gradients, and the op calls CountOps(op_name) counts
+    in its backward, or in the whole step with ``whole_step``."""
     model.zero_grad(set_to_none=True)
-    loss = model(**inputs).loss
-    with CountOps() as backward:
+    counter = CountOps(op_name)
+    with counter if whole_step else contextlib.nullcontext():
+        loss = model(**inputs).loss
+    with counter:
         loss.backward()
-    return loss.detach(), param_grads(model), backward.calls
+    return loss.detach(), param_grads(model), counter.calls
 
 
 def assert_served_as_plain(model, num_layers, install, **inputs):
     """A step of ``model`` without and then with the stash on its last ``num_layers`` layers: the same loss and
     gradients, bitwise, no attention forward kernel in the stashed layers' recomputes, each of them served."""
-    expected_loss, expected, plain_calls = counted_step(model, **inputs)
+    expected_loss, expected, plain_calls = counted_step(model, inputs)
     handle = install(model, num_layers)
-    loss, grads, calls = counted_step(model, **inputs)
+    loss, grads, calls = counted_step(model, inputs)
     # A policy that keeps the kernel leaves none to skip.
     assert calls[CPU_FORWARD] == max(plain_calls[CPU_FORWARD] - num_layers, 0)
     assert (handle.recomputes_served, handle.num_kept, handle.released_without_backward) == (num_layers, 0, 0)
@@ -203,15 +206,20 @@ def assert_same_grads(grads, expected):
 
 
 class CountOps(TorchDispatchMode):
-    """Counts aten calls; CPU backward runs on the calling thread, so it sees the recompute too."""
+    """Counts op calls by the name ``op_name(op)`` gives each (an op it gives None is not counted); without
+    ``op_name``, every aten call by its overload's name ("mm.default"). CPU backward runs on the calling thread, so it
+    sees the recompute too. Also notes the key heads of CPU flash attention's forwards."""
 
-    def __init__(self):
+    def __init__(self, op_name=None):
         super().__init__()
+        self.op_name = op_name or (lambda func: func.__name__)
         self.calls = Counter()
         self.key_heads = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.calls[func.__name__] += 1
+        name = self.op_name(func)
+        if name is not None:
+            self.calls[name] += 1
         if func.__name__ == CPU_FORWARD:
             self.key_heads.add(args[1].shape[1])
         return func(*args, **(kwargs or {}))
@@ -228,6 +236,26 @@ def graph_nodes(node):
         names.append(type(node).__name__)
         pending += [inner for inner, _ in node.next_functions]
     return names
+
+
+def tensors():
+    """Every tensor object alive after a collection."""
+    gc.collect()
+    # type() rather than isinstance(): the latter reads __class__, which some deprecated objects warn about.
+    return [obj for obj in gc.get_objects() if issubclass(type(obj), torch.Tensor)]
+
+
+def live_tensors(before=(), model=None, *gradients, counted=None):
+    """(shape, dtype), sorted, of the tensors alive after a collection that ``counted`` takes (all without it), but
+    for those in ``before`` (a tensors() list, which holds them so that no new tensor takes one's id), ``model``'s
+    parameters, their gradients and its buffers, and the values of the ``gradients`` dicts: what a step left."""
+    owned = {id(tensor) for tensor in before}
+    if model is not None:
+        owned.update(id(tensor) for param in model.parameters() for tensor in (param, param.grad))
+        owned.update(id(buffer) for buffer in model.buffers())
+    owned.update(id(grad) for grads in gradients for grad in grads.values())
+    return sorted((tuple(obj.shape), str(obj.dtype)) for obj in tensors()
+                  if id(obj) not in owned and (counted is None or counted(obj)))
 
 
 def live_checkpoint_calls():

@@ -14,7 +14,6 @@ two documents, position_ids restarting at the boundary, which ALST gathers whole
 rank writes its report as JSON to ``rank<N>.json`` in the folder given as the first argument.
 """
 
-import gc
 import json
 import os
 import sys
@@ -34,7 +33,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: E402
 from attention_stash_flash import use_flash_attention_2  # noqa: E402
 from attention_stash_flash3 import use_flash_attention_3, use_hub_kernel  # noqa: E402
 from attention_stash_helpers import NUM_LAYERS, assert_stock_process, batch_ids, checkpointed  # noqa: E402
-from attention_stash_helpers import llama_model, param_grads  # noqa: E402
+from attention_stash_helpers import live_tensors, llama_model, param_grads, tensors  # noqa: E402
 from deepspeed.runtime.activation_checkpointing import attention_stash  # noqa: E402
 from deepspeed.runtime.sequence_parallel import parallel_state_sp as mpu  # noqa: E402
 from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF  # noqa: E402
@@ -148,15 +147,6 @@ def same(first, second):
         torch.equal(grad, second[1][name]) for name, grad in first[1].items())
 
 
-def live_tensors(before):
-    """[shape, dtype] of each tensor alive after a collection that ``before`` (which holds them, so that no new tensor
-    takes the id of one of them) does not hold."""
-    gc.collect()
-    owned = {id(tensor) for tensor in before}
-    return sorted([list(obj.shape), str(obj.dtype)] for obj in gc.get_objects()
-                  if issubclass(type(obj), torch.Tensor) and id(obj) not in owned)
-
-
 def cases(rank, use_reentrant, kind, batch, report):
     """ALST alone, then the stash on every layer installed before and after ALST's registration."""
     micro_batch = batch[0]
@@ -166,8 +156,7 @@ def cases(rank, use_reentrant, kind, batch, report):
     reference = step(model, batch, rank)
     del model
     unregister_alst()
-    gc.collect()
-    before = [obj for obj in gc.get_objects() if issubclass(type(obj), torch.Tensor)]
+    before = tensors()
     for order in ("stash_first", "alst_first"):
         model = flash_llama(use_reentrant)
         if order == "stash_first":

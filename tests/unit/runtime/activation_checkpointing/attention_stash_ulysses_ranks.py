@@ -29,6 +29,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: E402
 from attention_stash_helpers import NUM_LAYERS, assert_stock_process, batch_ids, checkpointed  # noqa: E402
 from attention_stash_helpers import llama_model, logged_messages, param_grads  # noqa: E402
 from deepspeed.runtime.activation_checkpointing import attention_stash  # noqa: E402
+from deepspeed.runtime.activation_checkpointing.attention_stash import AttentionStashError  # noqa: E402
 from deepspeed.runtime.sequence_parallel import parallel_state_sp as mpu  # noqa: E402
 from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP, UlyssesSPAttentionHF  # noqa: E402
 from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPDataLoaderAdapter  # noqa: E402
@@ -249,7 +250,7 @@ def refused_core(report):
     wrapper = ALL_ATTENTION_FUNCTIONS["sdpa"]
     try:
         attention_stash.install_attention_stash(model, NUM_LAYERS)
-    except RuntimeError as error:
+    except AttentionStashError as error:
         report["refused_core"] = str(error)
     report["refused_core_left_alone"] = (ALL_ATTENTION_FUNCTIONS["sdpa"] is wrapper and attention_stash._held is None
                                          and not attention_stash._STASHES)
@@ -275,7 +276,7 @@ def changed_after_the_install(report):
             ALL_ATTENTION_FUNCTIONS._local_mapping.pop("sdpa")
         try:
             step(model, SEQUENCES[0], torch.distributed.get_rank())
-        except RuntimeError as error:
+        except AttentionStashError as error:
             report[case] = str(error)
         handle.remove()
         unregister_alst()

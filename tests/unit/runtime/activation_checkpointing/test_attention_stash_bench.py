@@ -131,7 +131,8 @@ def test_bench_fails_a_stash_that_does_not_serve(bench, monkeypatch):
 
     monkeypatch.setattr(attention_stash._CheckpointCall, "sdpa", plain_attention)
     with pytest.raises(RuntimeError,
-                       match=r"needs the stash to serve every recompute of stash \d layers, got 0 of \d layers"):
+                       match=r"attention_stash_bench needs the stash to serve every recompute of stash \d layers, "
+                       r"got 0 of \d layers"):
         bench.main(["--layers", "2", "--sequence", "64", "--steps", "1", "--experts", "2", "--no-sac"])
 
 

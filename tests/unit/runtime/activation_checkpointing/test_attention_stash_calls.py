@@ -24,7 +24,7 @@ import transformers
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from deepspeed.runtime.activation_checkpointing import attention_stash
-from deepspeed.runtime.activation_checkpointing.attention_stash import install_attention_stash
+from deepspeed.runtime.activation_checkpointing.attention_stash import AttentionStashError, install_attention_stash
 
 from attention_stash_helpers import (CPU_FORWARD, NUM_LAYERS, STOCK_SDPA, CountOps, assert_same_grads,
                                      assert_stock_process, batch_ids, checkpointed, every_n_layers,
@@ -226,7 +226,7 @@ def test_second_backward_through_a_retained_graph_names_it(install):
     loss = model(input_ids=batch_ids(), labels=batch_ids()).loss
     loss.backward(retain_graph=True)
     assert handle.recomputes_served == NUM_LAYERS
-    with pytest.raises(RuntimeError,
+    with pytest.raises(AttentionStashError,
                        match=r"needs one backward per forward of model.layers.2, got a second backward through a "
                        r"retained graph \(backward\(retain_graph=True\)\)"):
         loss.backward()
@@ -245,7 +245,7 @@ def test_rejects_torch_compile(install, order):
         compiled = torch.compile(model)
         compiled(input_ids=ids)
         install(model, NUM_LAYERS)
-    with pytest.raises(RuntimeError,
+    with pytest.raises(AttentionStashError,
                        match="needs eager execution for a training forward of model.layers.0, got "
                        "torch.compile"):
         compiled(input_ids=ids, labels=ids)
@@ -340,7 +340,7 @@ def test_training_refused_where_checkpointing_was_never_on(install):
     model = mixtral_model().train()
     _disable(model)
     handle = install(model, NUM_LAYERS)
-    with pytest.raises(RuntimeError,
+    with pytest.raises(AttentionStashError,
                        match="needs Hugging Face activation checkpointing for a training forward of "
                        "model.layers.0, got no activation checkpointing on it"):
         model(input_ids=batch_ids(), labels=batch_ids())
@@ -471,7 +471,7 @@ def test_a_removed_stash_s_recompute_that_does_not_reach_it_is_named(install, ea
     # A registration after the removal, which the user undoes below: what the stash held goes back meanwhile.
     AttentionInterface._global_mapping["sdpa"] = own_sdpa
     try:
-        with pytest.raises(attention_stash.AttentionStashError,
+        with pytest.raises(AttentionStashError,
                            match=r"needs the recompute of model\.layers\.2, whose forward ran under non-reentrant "
                            r"checkpointing before handle\.remove\(\), to call attention as that forward did"):
             loss.backward()
@@ -514,7 +514,7 @@ def test_rejects_a_layer_class_that_shadows_the_checkpoint_function(monkeypatch)
     model = checkpointed(mixtral_model())
     layer_class = type(model.model.layers[0])
     monkeypatch.setattr(layer_class, "_gradient_checkpointing_func", None, raising=False)
-    with pytest.raises(RuntimeError,
+    with pytest.raises(AttentionStashError,
                        match="needs model.layers.2 to keep its checkpoint function per instance, as "
                        f"GradientCheckpointingLayer does, got a class attribute _gradient_checkpointing_func on "
                        f"{layer_class.__name__}"):

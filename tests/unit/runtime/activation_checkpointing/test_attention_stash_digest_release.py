@@ -6,21 +6,15 @@ gathered ones, here a fresh copy made in the layer) are compared by a float64 di
 keys, cached per device and extended to the longest sequence seen; removing the last stash releases them, so that
 after ``handle.remove()``, ``del model`` and a collection no tensor of the step is alive."""
 
-import gc
-
 import pytest
 import torch
 
 from deepspeed.runtime.activation_checkpointing import attention_stash
 
 from attention_stash_flash import flash_attn_or_skip, use_flash_attention_2
-from attention_stash_helpers import NUM_LAYERS, batch_ids, checkpointed, llama_model
+from attention_stash_helpers import NUM_LAYERS, batch_ids, checkpointed, live_tensors, llama_model, tensors
 
 flash_attn_or_skip()
-
-
-def _tensors():
-    return [obj for obj in gc.get_objects() if issubclass(type(obj), torch.Tensor)]
 
 
 @pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non-reentrant"])
@@ -36,8 +30,7 @@ def test_nothing_of_a_digest_outlives_the_stash(install, monkeypatch, use_reentr
 
     for layer in model.model.layers:
         layer.self_attn.register_forward_pre_hook(fresh_position_ids, with_kwargs=True)
-    gc.collect()
-    before = _tensors()
+    before = tensors()
     handle = install(model, NUM_LAYERS)
     for sequence in (32, 48):  # a new, longer sequence extends the digest weights
         ids = batch_ids(batch=2, sequence=sequence)
@@ -47,7 +40,5 @@ def test_nothing_of_a_digest_outlives_the_stash(install, monkeypatch, use_reentr
     assert [tuple(weights.shape) for weights in attention_stash._DIGEST_WEIGHTS.values()] == [(48, )]
     handle.remove()
     del model, ids, positions
-    gc.collect()
-    owned = {id(tensor) for tensor in before}
-    assert [(tuple(obj.shape), obj.dtype) for obj in _tensors() if id(obj) not in owned] == []
+    assert live_tensors(before) == []
     assert attention_stash._DIGEST_WEIGHTS == {}

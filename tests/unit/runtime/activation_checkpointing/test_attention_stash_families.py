@@ -15,7 +15,8 @@ import pytest
 import torch
 import transformers
 
-from deepspeed.runtime.activation_checkpointing.attention_stash import (attention_stash_layer_bytes,
+from deepspeed.runtime.activation_checkpointing.attention_stash import (AttentionStashError,
+                                                                        attention_stash_layer_bytes,
                                                                         install_attention_stash)
 
 from attention_stash_helpers import (CPU_FORWARD, CountOps, assert_same_grads, assert_stock_process, batch_ids,
@@ -108,7 +109,7 @@ def test_family_served_bitwise(install, family, use_reentrant):
     model = checkpointed(family_model(family), use_reentrant=use_reentrant)
     attention_layers = FAMILIES[family][3]
     inputs = _inputs(model)
-    expected_loss, expected, plain_calls = counted_step(model, **inputs)
+    expected_loss, expected, plain_calls = counted_step(model, inputs)
     handle = install(model, len(attention_layers))
     assert handle.layers == tuple(attention_layers)
     calls = 2 if family == "diffllama" else 1
@@ -152,9 +153,9 @@ def test_hybrid_counts_attention_layers(install, family):
     assert handle.layers == tuple(attention_layers)
     inputs = _inputs(model)
     handle.remove()
-    expected_loss, expected, _ = counted_step(model, **inputs)
+    expected_loss, expected, _ = counted_step(model, inputs)
     handle = install(model, len(attention_layers))
-    loss, grads, calls = counted_step(model, **inputs)
+    loss, grads, calls = counted_step(model, inputs)
     assert handle.recomputes_served == len(attention_layers) and calls[CPU_FORWARD] == 0
     assert torch.equal(loss, expected_loss)
     assert_same_grads(grads, expected)
@@ -169,7 +170,7 @@ def test_hybrid_counts_attention_layers(install, family):
 def test_attention_that_bypasses_the_interface_is_refused_at_install(family, why):
     model = checkpointed(family_model(family))
     with pytest.raises(
-            RuntimeError,
+            AttentionStashError,
             match=f"needs decoder layers with softmax attention through Hugging Face's attention interface "
             f"\\(ALL_ATTENTION_FUNCTIONS\\), whose sdpa entry it serves, got none in {type(model).__name__}: "
             f"in .*\\.3, {why}. Train this model without the stash."):
@@ -193,7 +194,7 @@ def test_a_mask_built_in_the_layer_that_differs_in_the_recompute_is_refused(inst
     indexer.forward = drifting
     handle = install(model, 1)
     loss = model(**_inputs(model)).loss
-    with pytest.raises(RuntimeError,
+    with pytest.raises(AttentionStashError,
                        match="needs the recompute of model.layers.3 to build the attention mask its forward built "
                        "inside the layer, got one with other values"):
         loss.backward()
@@ -206,13 +207,13 @@ def test_hybrid_with_every_n_layers(install):
     every attention layer out, the install and the planner refuse, naming the layers it is on."""
     model = every_n_layers(family_model("jamba"), 3)  # layers 0 and 3: attention layer 3 is checkpointed
     inputs = _inputs(model)
-    expected_loss, expected, _ = counted_step(model, **inputs)
+    expected_loss, expected, _ = counted_step(model, inputs)
     with logged_messages() as messages:
         handle = install(model, 1)
     assert handle.layers == ("model.layers.3", )
     assert ("Left out: 2 decoder layers with no softmax attention (linear attention, a state-space or convolution "
             "mixer); 1 decoder layer with no activation checkpointing (every_n_layers leaves it out)") in messages[0]
-    loss, grads, calls = counted_step(model, **inputs)
+    loss, grads, calls = counted_step(model, inputs)
     assert calls[CPU_FORWARD] == 0 and handle.recomputes_served == 1
     assert torch.equal(loss, expected_loss)
     assert_same_grads(grads, expected)
@@ -221,8 +222,8 @@ def test_hybrid_with_every_n_layers(install):
     model = every_n_layers(family_model("qwen3_next"), 3)  # layers 0 and 3, both linear attention
     message = ("needs activation checkpointing on attention layers, whose recompute it serves, got it on "
                "model.layers.0, model.layers.3 only, none of which has softmax attention")
-    with pytest.raises(RuntimeError, match=message):
+    with pytest.raises(AttentionStashError, match=message):
         install_attention_stash(model, 1)
-    with pytest.raises(RuntimeError, match=message):
+    with pytest.raises(AttentionStashError, match=message):
         attention_stash_layer_bytes(model, 2, 16, device="cpu")
     assert_stock_process()

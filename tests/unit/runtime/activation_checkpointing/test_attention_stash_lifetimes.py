@@ -9,8 +9,6 @@ tensors are found as a user would look for a leak: every tensor object the garba
 collection, whose shape has the batch's sequence length (a length no parameter has).
 """
 
-import gc
-
 import pytest
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -20,20 +18,16 @@ from deepspeed.runtime.activation_checkpointing import attention_stash
 
 from attention_stash_helpers import (CPU_BACKWARD, CPU_FORWARD, NUM_LAYERS, CountOps, assert_same_grads,
                                      assert_served_as_plain, batch_ids, checkpointed, counted_step, graph_nodes,
-                                     live_checkpoint_calls, llama_model, param_grads, train_step)
+                                     live_checkpoint_calls, live_tensors, llama_model, param_grads, train_step)
 
 # No dimension of the tiny models' parameters has this size.
 SEQUENCE = 97
 
 
-def _live_tensors():
-    """Shapes of the tensors alive now with a dimension of SEQUENCE and at least three dimensions (a test's own
+def of_the_batch(tensor):
+    """What the live-tensor checks count: a tensor of three or more dimensions with one of SEQUENCE (a test's own
     [batch, sequence] ids and padding mask are left out)."""
-    gc.collect()
-    return sorted(
-        tuple(obj.shape) for obj in gc.get_objects()
-        # type() rather than isinstance(): the latter reads __class__, which some deprecated objects warn about.
-        if issubclass(type(obj), torch.Tensor) and obj.dim() >= 3 and SEQUENCE in obj.shape)
+    return tensor.dim() >= 3 and SEQUENCE in tensor.shape
 
 
 def _inputs(masked):
@@ -53,20 +47,20 @@ def test_nothing_outlives_a_step(install, use_reentrant, masked):
     model = checkpointed(llama_model(num_hidden_layers=2), use_reentrant=use_reentrant)
     handle = install(model, 2)
     inputs = _inputs(masked)
-    assert _live_tensors() == []
+    assert live_tensors(counted=of_the_batch) == []
     loss = model(**inputs).loss
     layer_bytes = attention_stash.attention_stash_layer_bytes(model, 3, SEQUENCE, device="cpu")
     assert handle.kept_bytes == 2 * layer_bytes
     loss.backward()
     del loss
     assert (handle.recomputes_served, handle.num_kept, handle.kept_bytes) == (2, 0, 0)
-    assert _live_tensors() == []
+    assert live_tensors(counted=of_the_batch) == []
     # A second step leaves nothing either.
     model(**inputs).loss.backward()
-    assert handle.recomputes_served == 4 and _live_tensors() == []
+    assert handle.recomputes_served == 4 and live_tensors(counted=of_the_batch) == []
     handle.remove()
     del model
-    assert _live_tensors() == [] and live_checkpoint_calls() == []
+    assert live_tensors(counted=of_the_batch) == [] and live_checkpoint_calls() == []
 
 
 @pytest.mark.parametrize("masked", [False, True], ids=["unmasked", "padded"])
@@ -95,14 +89,14 @@ def test_a_first_pass_whose_attention_needs_no_grad_records_no_node(install):
     backward reaches the layers; a later step with every parameter trained is served bitwise."""
     model = checkpointed(llama_model(), use_reentrant=False)
     ids = batch_ids()
-    expected_loss, expected, _ = counted_step(model, input_ids=ids, labels=ids)
+    expected_loss, expected, _ = counted_step(model, dict(input_ids=ids, labels=ids))
     handle = install(model, NUM_LAYERS)
     model.requires_grad_(False).lm_head.requires_grad_(True)
     model.disable_input_require_grads()
     model(input_ids=ids, labels=ids).loss.backward()
     assert (handle.recomputes_served, handle.released_without_backward) == (0, NUM_LAYERS)
     model.requires_grad_(True).enable_input_require_grads()
-    loss, grads, calls = counted_step(model, input_ids=ids, labels=ids)
+    loss, grads, calls = counted_step(model, dict(input_ids=ids, labels=ids))
     assert calls[CPU_FORWARD] == 0 and handle.recomputes_served == NUM_LAYERS
     assert torch.equal(loss, expected_loss)
     assert_same_grads(grads, expected)
@@ -113,11 +107,11 @@ def test_a_first_pass_with_grad_and_no_saved_tensor_hooks(install):
     stash's node keeps its own saves and runs the backward, and what the first pass kept goes with the call."""
     model = checkpointed(llama_model(), use_reentrant=False)
     ids = batch_ids()
-    expected_loss, expected, _ = counted_step(model, input_ids=ids, labels=ids)
+    expected_loss, expected, _ = counted_step(model, dict(input_ids=ids, labels=ids))
     for layer in model.model.layers:
         layer._gradient_checkpointing_func = lambda function, *args, **kwargs: function(*args, **kwargs)
     handle = install(model, NUM_LAYERS)
-    loss, grads, _ = counted_step(model, input_ids=ids, labels=ids)
+    loss, grads, _ = counted_step(model, dict(input_ids=ids, labels=ids))
     assert (handle.recomputes_served, handle.released_without_backward, handle.kept_bytes) == (0, NUM_LAYERS, 0)
     assert torch.equal(loss, expected_loss)
     assert_same_grads(grads, expected)

@@ -15,6 +15,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from deepspeed.runtime.activation_checkpointing import attention_stash
+from deepspeed.runtime.activation_checkpointing.attention_stash import AttentionStashError
 
 from attention_stash_helpers import (CPU_BACKWARD, CPU_FORWARD, NUM_LAYERS, assert_same_grads, batch_ids, checkpointed,
                                      counted_step, llama_model, mistral_model, qwen3_moe_model)
@@ -26,10 +27,10 @@ def _assert_served_exactly(make_model, num_layers=NUM_LAYERS, install=None, **in
     """The stashed step equals the plain one bitwise; the recompute ran the attention forward only in the layers
     without a stash, and every stashed layer's recompute was served."""
     model = checkpointed(make_model())
-    expected_loss, expected, plain_calls = counted_step(model, **inputs)
+    expected_loss, expected, plain_calls = counted_step(model, inputs)
     assert plain_calls[CPU_FORWARD] == NUM_LAYERS  # the masked calls run the fused CPU kernel, here as in F.sdpa
     handle = install(model, num_layers)
-    loss, grads, calls = counted_step(model, **inputs)
+    loss, grads, calls = counted_step(model, inputs)
     assert handle.recomputes_served == num_layers and handle.num_kept == 0
     assert calls[CPU_FORWARD] == NUM_LAYERS - num_layers and calls[CPU_BACKWARD] == NUM_LAYERS
     assert not torch.isnan(loss)
@@ -121,7 +122,7 @@ def test_additive_float_mask_under_autocast(install, monkeypatch, order):
 
     def step(autocast):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            return counted_step(model, **inputs)[:2]
+            return counted_step(model, inputs)[:2]
 
     expected = {autocast: step(autocast) for autocast in (False, True)}
     handle = install(model, NUM_LAYERS)
@@ -150,7 +151,7 @@ def test_rejects_a_mask_changed_between_forward_and_backward(install):
     ids = batch_ids(sequence=SEQUENCE)
     loss = model(input_ids=ids, attention_mask=_padding_mask("right"), labels=ids).loss
     masks[0].logical_not_().logical_not_()  # the same values, written in place
-    with pytest.raises(RuntimeError,
+    with pytest.raises(AttentionStashError,
                        match="needs the recompute of model.layers.2 to get its forward's attention mask, got another "
                        "one"):
         loss.backward()
@@ -162,7 +163,7 @@ def test_rejects_a_masked_call_that_pytorch_runs_on_math(install):
     model = checkpointed(llama_model())
     install(model, 1)
     ids = batch_ids(sequence=SEQUENCE)
-    with sdpa_kernel(SDPBackend.MATH), pytest.raises(RuntimeError,
+    with sdpa_kernel(SDPBackend.MATH), pytest.raises(AttentionStashError,
                                                      match="a fused SDPA backend it can replay: .*got MATH on cpu"):
         model(input_ids=ids, attention_mask=_padding_mask("left"), labels=ids)
 
@@ -172,7 +173,8 @@ def test_rejects_a_learned_mask(install):
     install(model, 1)
     ids = batch_ids(sequence=SEQUENCE)
     bias = torch.zeros(2, 1, SEQUENCE, SEQUENCE, requires_grad=True)
-    with pytest.raises(RuntimeError, match="needs an attention mask that does not require grad in model.layers.2"):
+    with pytest.raises(AttentionStashError,
+                       match="needs an attention mask that does not require grad in model.layers.2"):
         model(input_ids=ids, attention_mask=bias, labels=ids)
 
 
@@ -195,7 +197,7 @@ def test_mask_preparation_is_checked_against_pytorch_once(install, monkeypatch):
     monkeypatch.setitem(attention_stash._BACKENDS, backend,
                         dataclasses.replace(attention_stash._CPU_FLASH, prepare_mask=finfo_min_mask))
     monkeypatch.setattr(attention_stash, "_MASKS_CHECKED", set())
-    with pytest.raises(RuntimeError,
+    with pytest.raises(AttentionStashError,
                        match="needs its mask for CPU flash attention to be the one F.scaled_dot_product_attention "
                        "passes the kernel in torch"):
         model(input_ids=ids, attention_mask=_padding_mask("left"), labels=ids)
@@ -239,7 +241,7 @@ def test_a_mask_built_in_the_layer_is_compared_in_every_row(install, kind):
     assert (handle.recomputes_served, handle.num_kept) == (1, 0)
     drift.extend([True, False])  # popped from the end: the forward's mask unchanged, the recompute's drifted
     loss = model(input_ids=ids, labels=ids).loss
-    with pytest.raises(RuntimeError,
+    with pytest.raises(AttentionStashError,
                        match="needs the recompute of model.layers.2 to build the attention mask its forward built "
                        "inside the layer, got one with other values"):
         loss.backward()

@@ -22,16 +22,16 @@ comparison of the stash's mask preparation with F.sdpa's own, which runs F.sdpa'
 tests/benchmarks/gpu_check.sh runs both on a GPU.
 """
 
-import gc
-
 import pytest
 import torch
 import transformers
 from torch.nn.attention import SDPBackend
 
 from deepspeed.runtime.activation_checkpointing import attention_stash
+from deepspeed.runtime.activation_checkpointing.attention_stash import AttentionStashError
 
-from attention_stash_helpers import QWEN3_NEXT_HYBRID, CountOps, checkpointed, graph_nodes, live_checkpoint_calls
+from attention_stash_helpers import (QWEN3_NEXT_HYBRID, CountOps, checkpointed, graph_nodes, live_checkpoint_calls,
+                                     live_tensors)
 
 BATCH = 2
 # No dimension of the models' parameters has this size; not a multiple of 32, so that the memory-efficient kernel
@@ -159,12 +159,9 @@ def _layers_forward(model, mask):
     return hidden, inputs
 
 
-def _live_tensors():
-    """Shapes of the tensors alive now with a dimension of SEQUENCE and at least three dimensions."""
-    gc.collect()
-    return sorted(
-        tuple(obj.shape) for obj in gc.get_objects()
-        if issubclass(type(obj), torch.Tensor) and obj.dim() >= 3 and SEQUENCE in obj.shape)
+def of_the_batch(tensor):
+    """What the live-tensor checks count: a tensor of three or more dimensions with one of SEQUENCE."""
+    return tensor.dim() >= 3 and SEQUENCE in tensor.shape
 
 
 @MODES
@@ -202,10 +199,10 @@ def test_cuda_backend_training_step_on_meta(install, cuda_backend_on_meta, backe
             assert param.grad is not None, name
             assert (param.grad.shape, param.grad.dtype) == (param.shape, param.dtype), name
     del inputs
-    assert _live_tensors() == [] and live_checkpoint_calls() == []
+    assert live_tensors(counted=of_the_batch) == [] and live_checkpoint_calls() == []
     handle.remove()
     del model
-    assert _live_tensors() == []
+    assert live_tensors(counted=of_the_batch) == []
 
 
 def test_the_choice_follows_pytorchs_constraints():
@@ -220,7 +217,7 @@ def test_the_choice_follows_pytorchs_constraints():
     assert flash(query, query, query, mask) == SDPBackend.MATH.value
     assert efficient(query, query, query, mask) == SDPBackend.EFFICIENT_ATTENTION.value
     assert efficient(query, grouped, grouped, None, enable_gqa=True) == SDPBackend.MATH.value
-    with pytest.raises(RuntimeError, match="a fused SDPA backend it can replay: .*got MATH on meta"):
+    with pytest.raises(AttentionStashError, match="a fused SDPA backend it can replay: .*got MATH on meta"):
         attention_stash._ops_for("meta", SDPBackend.MATH.value)
 
 
@@ -231,7 +228,7 @@ def test_a_mask_preparation_without_the_kernel_call_is_refused():
     mask = torch.empty(1, 1, 8, 8, device="meta", dtype=torch.bool)
     ops = attention_stash._CUDNN
     bias = ops.prepare_mask(mask, query, query, query)
-    with pytest.raises(RuntimeError,
+    with pytest.raises(AttentionStashError,
                        match=r"needs its mask for cuDNN attention to be the one F.scaled_dot_product_attention passes "
                        r"the kernel in torch .*, got another \(torch.bfloat16 \(1, 1, 8, 8\) against None \(\)\)"):
         attention_stash._check_mask_preparation(ops, SDPBackend.CUDNN_ATTENTION.value, bias, query, query, query, mask,

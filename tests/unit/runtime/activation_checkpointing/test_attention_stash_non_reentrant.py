@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from deepspeed.runtime.activation_checkpointing import attention_stash
+from deepspeed.runtime.activation_checkpointing.attention_stash import AttentionStashError
 
 from attention_stash_helpers import (CPU_BACKWARD, CPU_FORWARD, MODELS, NUM_LAYERS, CountOps, assert_same_grads,
                                      assert_served_as_plain, batch_ids, checkpointed, counted_step,
@@ -35,7 +36,7 @@ def test_matches_plain_non_reentrant_checkpointing(install, model_name, num_laye
     make_model = {**MODELS, "llama": llama_model}[model_name]
     model = _non_reentrant(make_model(dtype))
     ids = batch_ids()
-    expected_loss, expected, calls = counted_step(model, input_ids=ids, labels=ids)
+    expected_loss, expected, calls = counted_step(model, dict(input_ids=ids, labels=ids))
     assert calls[CPU_FORWARD] == NUM_LAYERS
     handle = install(model, num_layers)
     model.zero_grad(set_to_none=True)
@@ -82,11 +83,11 @@ def test_dropped_no_grad_and_eval_forwards(install):
 
 def test_checkpointing_enabled_after_install(install):
     ids = batch_ids()
-    expected_loss, expected, _ = counted_step(_non_reentrant(qwen3_moe_model()), input_ids=ids, labels=ids)
+    expected_loss, expected, _ = counted_step(_non_reentrant(qwen3_moe_model()), dict(input_ids=ids, labels=ids))
     model = qwen3_moe_model().train()
     handle = install(model, NUM_LAYERS)
     _non_reentrant(model)
-    loss, grads, calls = counted_step(model, input_ids=ids, labels=ids)
+    loss, grads, calls = counted_step(model, dict(input_ids=ids, labels=ids))
     assert calls[CPU_FORWARD] == 0 and handle.recomputes_served == NUM_LAYERS
     assert torch.equal(loss, expected_loss)
     assert_same_grads(grads, expected)
@@ -97,7 +98,7 @@ def test_second_backward_through_a_retained_graph_names_it(install):
     install(model, NUM_LAYERS)
     loss = model(input_ids=batch_ids(), labels=batch_ids()).loss
     loss.backward(retain_graph=True)
-    with pytest.raises(RuntimeError, match="got a second backward through a retained graph"):
+    with pytest.raises(AttentionStashError, match="got a second backward through a retained graph"):
         loss.backward()
 
 
@@ -111,7 +112,7 @@ def _matmuls_saved():
 def test_composes_with_a_selective_checkpointing_policy(install):
     """A checkpoint's own context_fn runs around the stash: its policy keeps the matmuls, the stash the attention."""
     ids = batch_ids()
-    without_policy = counted_step(_non_reentrant(llama_model()), input_ids=ids, labels=ids)[2]
+    without_policy = counted_step(_non_reentrant(llama_model()), dict(input_ids=ids, labels=ids))[2]
     model = checkpointed(llama_model(), use_reentrant=False, context_fn=_matmuls_saved)
     _, plain_calls, calls = assert_served_as_plain(model, NUM_LAYERS, install, input_ids=ids, labels=ids)
     # The policy is in force in the stashed model: its recomputes run no matmul forward it kept.
@@ -165,10 +166,10 @@ def test_dropout_and_math_still_raise(install):
 
     model = _non_reentrant(mixtral_model(attention_dropout=0.1))
     install(model, 1)
-    with pytest.raises(RuntimeError, match="needs attention dropout 0 in model.layers.2, got 0.1"):
+    with pytest.raises(AttentionStashError, match="needs attention dropout 0 in model.layers.2, got 0.1"):
         model(input_ids=batch_ids(), labels=batch_ids())
     model = _non_reentrant(mixtral_model())
     install(model, 1)
-    with sdpa_kernel(SDPBackend.MATH), pytest.raises(RuntimeError,
+    with sdpa_kernel(SDPBackend.MATH), pytest.raises(AttentionStashError,
                                                      match="a fused SDPA backend it can replay: .*got MATH on cpu"):
         model(input_ids=batch_ids(), labels=batch_ids())

@@ -10,7 +10,8 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from deepspeed.runtime.activation_checkpointing import attention_stash
-from deepspeed.runtime.activation_checkpointing.attention_stash import (attention_stash_layer_bytes,
+from deepspeed.runtime.activation_checkpointing.attention_stash import (AttentionStashError,
+                                                                        attention_stash_layer_bytes,
                                                                         attention_stash_layers_for_budget,
                                                                         install_attention_stash)
 
@@ -148,20 +149,21 @@ def test_rejects_bad_arguments(kwargs, error, message):
 
 def test_planner_rejects_what_the_stash_cannot_serve():
     model = checkpointed(mixtral_model())
-    with sdpa_kernel(SDPBackend.MATH), pytest.raises(RuntimeError,
+    with sdpa_kernel(SDPBackend.MATH), pytest.raises(AttentionStashError,
                                                      match="a fused SDPA backend it can replay: .*got MATH"):
         attention_stash_layer_bytes(model, 2, 32, device="cpu")
     for layer in model.model.layers:
         del layer.self_attn.head_dim
         layer.self_attn.config = None
-    with pytest.raises(RuntimeError,
+    with pytest.raises(AttentionStashError,
                        match="needs the head count and head dimension of MixtralAttention in model.layers.2 to plan "
                        "its memory"):
         attention_stash_layer_bytes(model, 2, 32, device="cpu")
 
 
 def test_planner_rejects_a_model_without_decoder_layers():
-    with pytest.raises(RuntimeError, match="needs a model with Hugging Face decoder layers .*got Linear without any"):
+    with pytest.raises(AttentionStashError,
+                       match="needs a model with Hugging Face decoder layers .*got Linear without any"):
         attention_stash_layer_bytes(torch.nn.Linear(2, 2), 2, 32, device="cpu")
 
 
@@ -217,10 +219,10 @@ def test_the_planner_sizes_the_layers_the_stash_serves(install):
     assert (handle.recomputes_served, handle.peak_kept_bytes) == (2, 2 * per_layer)
     handle.remove()
     assert attention_stash_layers_for_budget(model, 3 * per_layer, 2, 32, device="cpu") == 2
-    with pytest.raises(RuntimeError, match=r"got 'eager' on LlamaForCausalLM \(model\.layers\.0\)"):
+    with pytest.raises(AttentionStashError, match=r"got 'eager' on LlamaForCausalLM \(model\.layers\.0\)"):
         install_attention_stash(model, 3)
     # Where the last attention layer is the one the stash would not serve, the budget planner names it.
     model.model.layers[2].self_attn.config = attention.config
-    with pytest.raises(RuntimeError, match=r"got 'eager' on LlamaForCausalLM \(model\.layers\.2\)"):
+    with pytest.raises(AttentionStashError, match=r"got 'eager' on LlamaForCausalLM \(model\.layers\.2\)"):
         attention_stash_layers_for_budget(model, 3 * per_layer, 2, 32, device="cpu")
     assert_stock_process()

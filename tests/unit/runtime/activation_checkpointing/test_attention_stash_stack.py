@@ -17,7 +17,7 @@ from transformers.integrations import sdpa_attention
 from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer
 
 from deepspeed.runtime.activation_checkpointing import attention_stash
-from deepspeed.runtime.activation_checkpointing.attention_stash import install_attention_stash
+from deepspeed.runtime.activation_checkpointing.attention_stash import AttentionStashError, install_attention_stash
 
 from attention_stash_helpers import (NUM_LAYERS, STOCK_SDPA, assert_same_grads, assert_stashed_step_is_stock,
                                      assert_stock_process, batch_ids, checkpointed, llama_model, mixtral_model,
@@ -132,7 +132,7 @@ def test_a_later_registration_is_honoured_or_named(install, sdpa_entry, where, u
     assert len(calls) == 2 * NUM_LAYERS
 
     calls.clear()
-    with pytest.raises(RuntimeError,
+    with pytest.raises(AttentionStashError,
                        match=r'needs the attention of model.layers.2 to reach the sdpa entry it installed in '
                        r'ALL_ATTENTION_FUNCTIONS, got <function scaled_sdpa.<locals>.sdpa at .*> in '
                        r'ALL_ATTENTION_FUNCTIONS\["sdpa"\], put there after the install'):
@@ -158,7 +158,7 @@ def test_a_wrapper_installed_before_the_stash_is_refused_at_install(sdpa_entry):
 
     sdpa_entry("global", wrapper)
     with pytest.raises(
-            RuntimeError,
+            AttentionStashError,
             match=r"needs Hugging Face's sdpa attention function, which calls "
             r"torch.nn.functional.scaled_dot_product_attention in its own code, as "
             r'ALL_ATTENTION_FUNCTIONS\["sdpa"\], got <function .*wrapper at .*>, which does not \(a wrapper '
@@ -180,7 +180,7 @@ def test_an_entry_that_skips_the_sdpa_call_is_named(install, sdpa_entry):
     model = checkpointed(mixtral_model())
     install(model, 1)
     with pytest.raises(
-            RuntimeError,
+            AttentionStashError,
             match=r"needs the sdpa attention function to call torch.nn.functional.scaled_dot_product_attention "
             r"in each forward of model.layers.2, got a forward in which <function .*sometimes at .*>, the "
             r"function the stash serves, did not"):
@@ -192,7 +192,7 @@ def test_an_attention_module_replaced_after_the_install_is_named(install):
     install(model, 1)
     model.model.layers[2].self_attn = copy.deepcopy(model.model.layers[2].self_attn)
     with pytest.raises(
-            RuntimeError,
+            AttentionStashError,
             match="needs the attention modules of model.layers.2 to call Hugging Face's attention interface "
             "with themselves as its module, got a forward without such a call \\(an attention module "
             "replaced after the install"):
@@ -207,7 +207,7 @@ def test_a_class_attribute_set_after_the_install_is_named(install, monkeypatch, 
     handle = install(model, 1)
     monkeypatch.setattr(MixtralDecoderLayer, "_gradient_checkpointing_func", None, raising=False)
     with pytest.raises(
-            RuntimeError,
+            AttentionStashError,
             match="needs model.layers.2 to read its checkpoint function through GradientCheckpointingLayer, "
             "which the stash holds, got a class attribute _gradient_checkpointing_func on "
             "MixtralDecoderLayer, set after the install, that hides it"):
@@ -339,7 +339,7 @@ def test_a_registration_between_a_forward_and_its_non_reentrant_backward(install
     ids = batch_ids()
     loss = model(input_ids=ids, labels=ids).loss
     sdpa_entry("global", scaled_sdpa([]))
-    with pytest.raises(RuntimeError,
+    with pytest.raises(AttentionStashError,
                        match=r"needs the attention of model.layers.2 to reach the sdpa entry it installed in "
                        r"ALL_ATTENTION_FUNCTIONS, got <function scaled_sdpa"):
         loss.backward()
@@ -353,7 +353,7 @@ def test_a_registration_between_a_forward_and_its_non_reentrant_backward(install
 def test_an_attention_module_shared_with_an_unstashed_layer_is_refused_at_install():
     model = checkpointed(mixtral_model())
     model.model.layers[2].self_attn = model.model.layers[1].self_attn
-    with pytest.raises(RuntimeError,
+    with pytest.raises(AttentionStashError,
                        match="needs the attention modules of the layers it stashes to be theirs alone, got the "
                        "MixtralAttention of model.layers.2 shared with model.layers.1, which is not stashed"):
         install_attention_stash(model, 1)
@@ -385,13 +385,13 @@ def test_a_replaced_torch_sdpa_is_refused(install, monkeypatch):
     replacement = functools.partial(torch.nn.functional.scaled_dot_product_attention)
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", replacement)
     message = "needs torch.nn.functional.scaled_dot_product_attention to be PyTorch's own, whose kernels it replays"
-    with pytest.raises(RuntimeError, match=message):
+    with pytest.raises(AttentionStashError, match=message):
         install_attention_stash(model, 1)
     assert_stock_process()
     monkeypatch.undo()
     handle = install(model, 1)
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", replacement)
-    with pytest.raises(RuntimeError, match=message):
+    with pytest.raises(AttentionStashError, match=message):
         model(input_ids=batch_ids(), labels=batch_ids())
     assert handle.num_kept == 0
 
