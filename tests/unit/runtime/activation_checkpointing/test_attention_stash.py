@@ -628,7 +628,9 @@ def test_rejects_missing_entry_points(monkeypatch, missing):
     elif missing == "aten_op":
         monkeypatch.setitem(attention_stash._BACKENDS, ("cuda", SDPBackend.CUDNN_ATTENTION.value),
                             dataclasses.replace(attention_stash._CUDNN, op="_scaled_dot_product_cudnn_attention_v9"))
-        name = "torch._scaled_dot_product_cudnn_attention_v9"
+        # The forward's entry point and its backward's, both missing.
+        name = ("torch._scaled_dot_product_cudnn_attention_v9, "
+                "torch.ops.aten._scaled_dot_product_cudnn_attention_v9_backward")
     elif missing == "checkpointing_layer":
         monkeypatch.delattr(transformers.modeling_layers, "GradientCheckpointingLayer")
         name = "transformers.modeling_layers.GradientCheckpointingLayer"
@@ -637,7 +639,8 @@ def test_rejects_missing_entry_points(monkeypatch, missing):
         name = r'transformers.modeling_utils.ALL_ATTENTION_FUNCTIONS\["sdpa"\]'
     with pytest.raises(AttentionStashError,
                        match=f"needs PyTorch 2.11 or newer and transformers 5.x, got an installation "
-                       f"without {name}"):
+                       f"without {name}\\. It is tested on PyTorch 2.13 to 2.15: install one of those, and report a "
+                       f"newer release that moved these\\.$"):
         install_attention_stash(model, 1)
 
 
