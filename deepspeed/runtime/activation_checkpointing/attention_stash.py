@@ -15,7 +15,7 @@ Contents, in reading order:
   3's, from a package or a Hub kernel), and ``_AttentionNode``, the one autograd node that runs or replays a kernel in
   both passes of both checkpoint modes.
 - One checkpoint call: ``_CheckpointCall``, run by a stashed layer's checkpoint in place of the layer's function, with
-  the one skeleton of an attention call.
+  the one skeleton of an attention call; under torch.compile, the checkpoint's selective-checkpointing policy instead.
 - The implementations table: a record per attention implementation served ("sdpa", "flash_attention_2",
   "flash_attention_3", a Hub kernel's): how the stash's copy of Hugging Face's function reaches the checkpoint call,
   how its kernels are loaded and checked, its planner geometry.
@@ -27,6 +27,7 @@ Contents, in reading order:
 import dataclasses
 import importlib.metadata
 import inspect
+import itertools
 import math
 import operator
 import re
@@ -42,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 import torch.utils.checkpoint
+from torch.utils.checkpoint import CheckpointPolicy as _Policy
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from deepspeed.utils import log_dist, logger
@@ -872,6 +874,8 @@ class _Counters:
     peak_kept_bytes: int = 0
     recomputes_served: int = 0
     released_without_backward: int = 0
+    # Layers whose compiled graph saves the attention kernel's outputs, as the checkpoint's policy was asked to.
+    compiled: set = dataclasses.field(default_factory=set)
 
     def add(self, nbytes):
         self.kept += 1
@@ -1142,17 +1146,26 @@ class _Implementation:
     # Whether Hugging Face registers the implementation's entry again, library-wide, at each load of its kernels (a Hub
     # kernel's, when another flash implementation was loaded since): the stash's entry then goes in front of it.
     registered_at_load: bool = False
+    # Under torch.compile: the kernels' ops (packets) that the checkpoint's policy saves; None: refused compiled.
+    compiled_ops: frozenset = None
 
 
 _FLASH_CALLS = "flash-attn's flash_attn_func or flash_attn_varlen_func"
+# The fused SDPA kernels of the backend table, which a compiled stashed layer's checkpoint saves.
+_SDPA_OPS = frozenset(getattr(aten, ops.op) for ops in _BACKENDS.values())
 # Multi-head latent attention (DeepSeek) has a value head dimension of its own, the output's under sdpa; for
 # flash-attn, Hugging Face pads the value to the query's head dimension. flash_attn_varlen_func's layout keeps as many
 # bytes per token as flash_attn_func's.
 _IMPLEMENTATIONS = {
     record.name: record
     for record in [
-        _Implementation("sdpa", "torch.nn.functional.scaled_dot_product_attention", "v_head_dim", _sdpa_copy,
-                        lambda record: None, _sdpa_layout),
+        _Implementation("sdpa",
+                        "torch.nn.functional.scaled_dot_product_attention",
+                        "v_head_dim",
+                        _sdpa_copy,
+                        lambda record: None,
+                        _sdpa_layout,
+                        compiled_ops=_SDPA_OPS),
         _Implementation("flash_attention_2", _FLASH_CALLS, "qk_head_dim", _flash_copy, _load_flash, _flash_layout, (
             "flash-attn 2", "the flash_attn package")),
         _Implementation("flash_attention_3", _FLASH_CALLS, "qk_head_dim", _flash_copy, _load_flash, _flash_layout, (
@@ -1245,6 +1258,8 @@ class _LayerStash:
     of, since its last checkpointed call."""
 
     def __init__(self, plan, model, counters):
+        self.key = next(_KEYS)
+        _BY_KEY[self.key] = self
         self.name, self.implementation, self.config = plan.name, plan.implementation, plan.config
         self.layer, self.modules = weakref.ref(plan.layer), weakref.WeakSet(plan.layer.modules())
         self.model, self.counters, self.active, self.wrapped = weakref.ref(model), counters, True, None
@@ -1256,13 +1271,17 @@ class _LayerStash:
         if not torch.is_grad_enabled():
             # No graph, so no backward to serve: transformers <= 5.22 checkpoints no_grad forwards too.
             return checkpoint_function(function, *args, **kwargs)
-        # Dynamo's frame callback is set inside a torch.compile region, also where a graph break runs code eagerly.
+        if torch.compiler.is_compiling():
+            # Traced by dynamo, as its checkpoint operator: the checkpoint's policy saves the kernel's outputs.
+            keywords = getattr(checkpoint_function, "keywords", {})
+            contexts = partial(_compiled_contexts, self.key, keywords.get("use_reentrant"), keywords.get("context_fn"))
+            return checkpoint_function(function, *args, **kwargs, context_fn=contexts)
+        # Dynamo's frame callback is set where a graph break runs code of a torch.compile region eagerly.
         if torch._C._dynamo.eval_frame.get_eval_frame_callback() not in (None, False):
-            raise AttentionStashError(f"{_FEATURE} needs eager execution for a training forward of {self.name}, got "
-                                      f"torch.compile, whose graphs would break around the stash's state in every "
-                                      f"stashed layer and whose gradients the stash cannot promise. Train the "
-                                      f"compiled model without the stash (handle.remove()), or the stashed model "
-                                      f"without torch.compile.")
+            raise AttentionStashError(f"{_FEATURE} needs dynamo to trace the checkpoint of {self.name} under "
+                                      f"torch.compile, got it run eagerly after a graph break, where the stash's "
+                                      f"state would break the graph around it. Remove the graph break from the "
+                                      f"layer's forward, or the stash (handle.remove()).")
         return checkpoint_function(_CheckpointCall(self, function), *args, **kwargs)
 
     def outside_checkpoint(self):
@@ -1372,9 +1391,12 @@ class _CheckpointFunctionSlot:
             function = layer.__dict__[_CHECKPOINT_FUNCTION]
         except KeyError:
             raise AttributeError(_CHECKPOINT_FUNCTION) from None
-        stash = _STASHES.get(layer)
+        # Dynamo resolves a WeakKeyDictionary lookup as the first key's, also for another layer's compiled frame.
+        stash = _LAYER_STASHES.get(id(layer)) if torch.compiler.is_compiling() else _STASHES.get(layer)
         if stash is None or stash.layer() is not layer:
             return function
+        if torch.compiler.is_compiling():
+            return partial(stash.checkpoint, function)  # dynamo would guard on the cached one, and recompile
         if stash.wrapped is None or stash.wrapped.args[0] is not function:
             stash.wrapped = partial(stash.checkpoint, function)
         return stash.wrapped
@@ -1390,6 +1412,48 @@ class _CheckpointFunctionSlot:
 
 
 _SLOT = _CheckpointFunctionSlot()
+# Each _LayerStash under a key of its own, which a compiled checkpoint's policy names (dynamo guards on it); and under
+# its layer's id, for the slot's compiled reads (entries go in _let_go once inactive or their layer is gone).
+_KEYS = itertools.count()
+_BY_KEY = weakref.WeakValueDictionary()
+_LAYER_STASHES = {}
+
+
+def _compiled_contexts(key, use_reentrant, context_fn):
+    """The selective-checkpointing contexts of a stashed layer's checkpoint under torch.compile, made as the compiled
+    graph is partitioned: its policy saves the outputs of the kernels the stash serves (MUST_SAVE), composed with the
+    checkpoint's own ``context_fn``, whose policy wins where it names an op (MUST_SAVE or MUST_RECOMPUTE)."""
+    stash, user_policy = _BY_KEY.get(key), None
+    if context_fn is not None:
+        user_policy = getattr(context_fn()[0], "policy_fn", None)
+    if stash is None:
+        # Removed since dynamo traced the call: stock.
+        return (context_fn or torch.utils.checkpoint.noop_context_fn)()
+    record = _implementation(stash.implementation)
+    refusals = ((use_reentrant, "non-reentrant checkpointing", "use_reentrant=True, which torch.compile never runs: "
+                 "dynamo traces every checkpoint as non-reentrant", "Enable checkpointing with use_reentrant=False"),
+                (record.compiled_ops is None, 'attn_implementation="sdpa"', f'"{stash.implementation}", whose kernels '
+                 f'it does not serve under torch.compile yet', "Train the compiled model with sdpa"),
+                (context_fn and not user_policy, "a context_fn made by create_selective_checkpoint_contexts, the one "
+                 "kind dynamo takes", repr(context_fn), "Give the checkpoint such a policy"),
+                (torch._guards.TracingContext.try_get() is None, "dynamo's tracing", "a checkpoint run eagerly after "
+                 "a graph break in the layer's forward", "Remove the graph break"))
+    for refused, needs, got, fix in refusals:
+        if refused:
+            raise AttentionStashError(f"{_FEATURE} needs {needs} for the compiled checkpoint of {stash.name}, got "
+                                      f"{got}. {fix}, or remove the stash (handle.remove()).")
+    return torch.utils.checkpoint.create_selective_checkpoint_contexts(
+        partial(_compiled_policy, stash, record.compiled_ops, user_policy))
+
+
+def _compiled_policy(stash, ops, user_policy, ctx, op, *args, **kwargs):
+    """The compiled checkpoint's policy: MUST_SAVE for a served kernel's op, unless the checkpoint's own policy
+    recomputes it; else that policy's answer, or PREFER_RECOMPUTE."""
+    policy = user_policy(ctx, op, *args, **kwargs) if user_policy else _Policy.PREFER_RECOMPUTE
+    if getattr(op, "overloadpacket", None) not in ops or policy == _Policy.MUST_RECOMPUTE:
+        return policy
+    stash.counters.compiled.add(stash.name)
+    return _Policy.MUST_SAVE
 
 
 def _stashing_entry(original, place, implementation):
@@ -1410,6 +1474,8 @@ def _stashing_entry(original, place, implementation):
 
     def stashing_entry(module, *args, **kwargs):
         nonlocal copy, values
+        if torch.compiler.is_compiling():
+            return (original if behind is None else behind.get(key, original))(module, *args, **kwargs)
         call = _state.call
         if behind is not None and behind.get(key) is not original:
             if call is not None and module in call.stash.modules and call.serving:
@@ -1531,6 +1597,9 @@ def _let_go():
     """Undo ``_take_hold`` once no stash is active and no recorded first pass waits for its recompute. Under ``_LOCK``.
     What something else replaced meanwhile stays as that left it."""
     global _held
+    for layer_id, stash in list(_LAYER_STASHES.items()):
+        if not stash.active or stash.layer() is None:
+            del _LAYER_STASHES[layer_id]
     hold = _held
     if hold is None or _RECORDED or any(stash.active and stash.layer() is not None
                                         for stash in list(_STASHES.values())):
@@ -1897,9 +1966,13 @@ def _install_message(model, chosen, records, plans, others, sizes, micro_batch_s
     reentrant = getattr(layer.__dict__.get(_CHECKPOINT_FUNCTION), "keywords", {}).get("use_reentrant")
     mode = ("checkpointing not enabled yet" if not layer.gradient_checkpointing or reentrant is None else
             "reentrant checkpointing" if reentrant else "non-reentrant checkpointing")
+    compiled = ("under torch.compile, the compiled checkpoint saves the kernel's outputs instead (a model compiled "
+                "before this install recompiles once)" if all(record.compiled_ops for record in records) else
+                "under torch.compile, refused: these kernels are not served compiled yet")
     message = (f"{_FEATURE}: keeping the attention output of {len(chosen)} of {len(plans)} attention layers "
                f"({chosen[0].name} to {chosen[-1].name}) for their recompute: {cost}; {mode}: the recompute replays "
-               f"the kept output through the kernel's backward, in either mode; attn_implementation {served}.")
+               f"the kept output through the kernel's backward, in either mode; {compiled}; attn_implementation "
+               f"{served}.")
     if others:
         reasons = Counter(why for _, why in others)
         message += " Left out: " + "; ".join(
@@ -1967,6 +2040,12 @@ class AttentionStashHandle:
         """Module names of the stashed decoder layers, in model order."""
         return tuple(stash.name for stash in self._stashes)
 
+    @property
+    def compiled_layers(self):
+        """The stashed layers whose torch.compile graph saves the attention kernel's outputs, as the compiled
+        checkpoint's policy was asked for them; the eager counters do not count compiled steps."""
+        return tuple(stash.name for stash in self._stashes if stash.name in self._counters.compiled)
+
     # Attention outputs kept now; the bytes they and their log-sum-exps hold, as attention_stash_layer_bytes counts;
     # the most at once; recomputes served a kept output; kept outputs released without one (no backward, a refusal).
     num_kept = property(lambda self: self._counters.kept)
@@ -2020,9 +2099,11 @@ def install_attention_stash(model: torch.nn.Module,
     the whole sequence: costs are one rank's, over ``sequence_parallel_size`` ranks where given, else the
     registration's found at the install.
 
+    Under ``torch.compile`` (non-reentrant checkpointing, sdpa layers) a stashed layer's checkpoint gets a
+    selective-checkpointing policy that saves the kernel's outputs instead; ``handle.compiled_layers`` names them.
     Forwards without a backward run stock attention and keep nothing. What the stash cannot serve raises an
-    ``AttentionStashError`` naming the cause and the fix, never falling back: attention dropout, ``torch.compile``, a
-    ``torch.func`` transform, an SDPA backend without an exact replay, a recompute unlike its forward, among others.
+    ``AttentionStashError`` naming the cause and the fix, never falling back: attention dropout, a ``torch.func``
+    transform, an SDPA backend without an exact replay, a recompute unlike its forward, among others.
     Returns an ``AttentionStashHandle``; its ``remove()`` uninstalls the stash.
     """
     layer_class, attention_functions = _entry_points()
@@ -2094,6 +2175,7 @@ def install_attention_stash(model: torch.nn.Module,
             stash = _LayerStash(plan, model, counters)
             for module in plan.layer.modules():
                 _STASHES[module] = stash
+            _LAYER_STASHES[id(plan.layer)] = stash
             stashes.append(stash)
             # A model dropped without remove() leaves nothing installed either.
             stash.finalizer = weakref.finalize(plan.layer, _let_go_quietly)

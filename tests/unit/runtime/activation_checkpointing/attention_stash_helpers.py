@@ -297,7 +297,7 @@ def assert_stock_process():
     assert AttentionInterface._global_mapping["flash_attention_2"] is STOCK_FLASH
     assert "flash_attention_2" not in ALL_ATTENTION_FUNCTIONS._local_mapping
     assert "_gradient_checkpointing_func" not in GradientCheckpointingLayer.__dict__
-    assert not attention_stash._STASHES and attention_stash._held is None
+    assert not attention_stash._STASHES and not attention_stash._LAYER_STASHES and attention_stash._held is None
 
 
 def bound_arguments(function, args, kwargs):

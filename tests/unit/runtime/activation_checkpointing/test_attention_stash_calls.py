@@ -232,26 +232,6 @@ def test_second_backward_through_a_retained_graph_names_it(install):
         loss.backward()
 
 
-@pytest.mark.parametrize("order", ["install_then_compile", "compile_then_install"])
-def test_rejects_torch_compile(install, order):
-    """Compiled code runs the layers in pieces around the stash's state; the stash names torch.compile instead, also
-    for a model compiled (and run) before the install."""
-    model = checkpointed(qwen3_moe_model())
-    ids = batch_ids()
-    if order == "install_then_compile":
-        install(model, NUM_LAYERS)
-        compiled = torch.compile(model)
-    else:
-        compiled = torch.compile(model)
-        compiled(input_ids=ids)
-        install(model, NUM_LAYERS)
-    with pytest.raises(AttentionStashError,
-                       match="needs eager execution for a training forward of model.layers.0, got "
-                       "torch.compile"):
-        compiled(input_ids=ids, labels=ids)
-    torch._dynamo.reset()
-
-
 def test_reentrant_checkpoint_around_the_whole_model(install):
     """The outer checkpoint's first pass runs the layers without grad (no backward to serve, nothing kept); its
     recompute runs them with grad, through their own checkpoints, whose recomputes the stash serves."""

@@ -112,8 +112,9 @@ def test_install_log_line(install):
         install(mixtral_model(), 1)
     assert len(messages) == 3
     # The mode each serves in, as far as the enabled checkpointing tells at install.
-    replayed = (": the recompute replays the kept output through the kernel's backward, in either mode; "
-                'attn_implementation "sdpa".')
+    replayed = (": the recompute replays the kept output through the kernel's backward, in either mode; under "
+                "torch.compile, the compiled checkpoint saves the kernel's outputs instead (a model compiled before "
+                'this install recompiles once); attn_implementation "sdpa".')
     assert messages[0].endswith(f"; reentrant checkpointing{replayed}")
     assert messages[1].endswith(f"; non-reentrant checkpointing{replayed}")
     assert messages[2].endswith(f"; checkpointing not enabled yet{replayed}")

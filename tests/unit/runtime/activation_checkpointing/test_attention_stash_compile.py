@@ -1,0 +1,302 @@
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""The stash under torch.compile (issue 46), on CPU with AOTAutograd's eager backend and the min-cut partitioner.
+
+Dynamo traces Hugging Face's checkpoint as its checkpoint operator; the stash gives a stashed layer's checkpoint a
+selective-checkpointing policy that saves the attention kernel's outputs, so the compiled backward graph has no
+attention forward for a stashed layer and one for each other layer. On CPU, torch 2.13 and 2.14 wrap the
+checkpointed regions' fused CPU attention op in rng-state operators (``run_and_save_rng_state`` in the forward graph,
+``run_with_rng_state`` in the backward one), so the attention forwards of a graph are counted through those as well as
+directly: a search for the op alone finds none even in a compiled plain step's backward graph there.
+"""
+
+import pytest
+import torch
+import transformers
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from deepspeed.runtime.activation_checkpointing.attention_stash import (AttentionStashError,
+                                                                        attention_stash_layer_bytes)
+
+from attention_stash_helpers import (NUM_LAYERS, assert_same_grads, batch_ids, checkpointed, llama_model, param_grads,
+                                     qwen3_moe_model)
+
+CPU_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+# transformers >= 5.23 checkpoints a decoder layer's forward; up to 5.22 its __call__, hooks inside.
+FORWARD_LAYOUT = hasattr(transformers.PreTrainedModel, "activation_checkpointing_enable")
+FAMILIES = {"llama": llama_model, "qwen3_moe": qwen3_moe_model}
+BATCH, SEQUENCE = 2, 32
+
+
+class Graphs:
+    """A torch.compile backend, AOTAutograd with the min-cut partitioner running the graphs eagerly, that keeps the
+    forward and backward graphs it compiles."""
+
+    def __init__(self):
+        self.forward, self.backward = [], []
+
+    def __call__(self, graph_module, example_inputs):
+        from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+        from torch._dynamo.backends.common import aot_autograd
+
+        def keep(graphs):
+
+            def compiler(graph, inputs):
+                graphs.append(graph)
+                return make_boxed_func(graph.forward)
+
+            return compiler
+
+        return aot_autograd(fw_compiler=keep(self.forward),
+                            bw_compiler=keep(self.backward),
+                            partition_fn=min_cut_rematerialization_partition)(graph_module, example_inputs)
+
+
+def attention_forwards(graphs):
+    """The fused CPU attention forwards the graphs run: the op itself (torch 2.15), or inside AOTAutograd's rng-state
+    wrapper (torch 2.13 and 2.14 wrap it in checkpointed regions, ``run_with_rng_state`` in a backward graph)."""
+    wrappers = {
+        getattr(torch.ops.higher_order, name, None)
+        for name in ("run_with_rng_state", "run_and_save_rng_state")
+    }
+    return sum(1 for graph in graphs for node in graph.graph.nodes
+               if node.target is CPU_FLASH.default or (node.target in wrappers and CPU_FLASH.default in node.args))
+
+
+def matmuls(graphs):
+    return sum(1 for graph in graphs for node in graph.graph.nodes if node.target is torch.ops.aten.mm.default)
+
+
+def output_bytes(graphs):
+    """The bytes of the forward graphs' outputs: what they return, and what they save for their backward graphs, but
+    the rng states saved for a recomputed attention forward (their size is symbolic in the graph)."""
+    outputs = [node for graph in graphs for node in next(n for n in graph.graph.nodes if n.op == "output").args[0]]
+    values = [node.meta.get("val") for node in outputs if isinstance(node, torch.fx.Node)]
+    return sum(value.numel() * value.element_size() for value in values
+               if isinstance(value, torch.Tensor) and all(isinstance(size, int) for size in value.shape))
+
+
+def inputs(padded):
+    ids = batch_ids(batch=BATCH, sequence=SEQUENCE)
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[1, SEQUENCE // 2:] = 0
+    return dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+
+
+def compiled_steps(model, batch, steps=2):
+    """``steps`` compiled training steps on one batch: each one's loss, and the last one's gradients."""
+    graphs = Graphs()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=graphs, dynamic=False)
+    losses = []
+    for _ in range(steps):
+        model.zero_grad(set_to_none=True)
+        loss = compiled(**batch).loss
+        loss.backward()
+        losses.append(loss.detach())
+    torch._dynamo.reset()
+    return losses, param_grads(model), graphs
+
+
+@pytest.fixture
+def family(request):
+    return FAMILIES[request.param]
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["plain", "padded"])
+@pytest.mark.parametrize("family", sorted(FAMILIES), indirect=True)
+def test_a_compiled_step_saves_the_stashed_layers_attention(install, family, padded):
+    """Compiled plain against compiled stashed, two stashed layers of three: losses and gradients bitwise, each step
+    as the first; the backward graph runs the attention forward of the unstashed layer alone and every matmul the
+    plain one recomputes; the forward graph saves at most two layers' outputs and log-sum-exps more."""
+    batch, stashed = inputs(padded), NUM_LAYERS - 1
+    plain_losses, plain_grads, plain = compiled_steps(checkpointed(family(), use_reentrant=False), batch)
+    model = checkpointed(family(), use_reentrant=False)
+    handle = install(model, stashed)
+    if family is qwen3_moe_model and not FORWARD_LAYOUT:
+        # transformers 5.22's Qwen3-MoE block breaks dynamo's graph inside the checkpointed layer: refused by name.
+        with pytest.raises((AttentionStashError, torch._dynamo.exc.BackendCompilerFailed)) as raised:
+            compiled_steps(model, batch)
+        error = getattr(raised.value, "inner_exception", raised.value)
+        assert isinstance(error, AttentionStashError) and "eagerly after a graph break" in str(error)
+        return
+    losses, grads, graphs = compiled_steps(model, batch)
+
+    assert losses[0] == plain_losses[0] and losses[1] == losses[0] and plain_losses[1] == plain_losses[0]
+    assert_same_grads(grads, plain_grads)
+    assert attention_forwards(plain.backward) == NUM_LAYERS
+    assert attention_forwards(graphs.backward) == NUM_LAYERS - stashed
+    assert matmuls(graphs.backward) == matmuls(plain.backward) > 0
+    # One forward and one backward graph: no recompile for the second step, nor for the stash.
+    assert (len(graphs.forward), len(graphs.backward)) == (len(plain.forward), len(plain.backward))
+    extra = output_bytes(graphs.forward) - output_bytes(plain.forward)
+    assert 0 < extra <= stashed * attention_stash_layer_bytes(model, BATCH, SEQUENCE)
+    assert handle.compiled_layers == handle.layers and handle.recomputes_served == 0 and handle.num_kept == 0
+
+
+def test_a_compiled_model_has_no_graph_break_of_the_stashs(install):
+    """fullgraph=True: dynamo traces the stash's checkpoint call and entry into one graph with the decoder loop."""
+    model = checkpointed(llama_model(use_cache=False), use_reentrant=False)
+    handle = install(model, NUM_LAYERS)
+    ids = batch_ids(batch=BATCH, sequence=SEQUENCE)
+    torch._dynamo.reset()
+    loss = torch.compile(model, backend="aot_eager", fullgraph=True)(input_ids=ids, labels=ids).loss
+    loss.backward()
+    torch._dynamo.reset()
+    assert handle.compiled_layers == handle.layers
+
+
+def test_installing_after_a_warm_compile_recompiles_once_and_removing_restores_stock(install):
+    """A model compiled and trained before the install: the install recompiles it once (dynamo guards on the layers'
+    checkpoint function), after which its backward graph saves the stashed attention; remove() and a fresh compile
+    give the stock graphs again."""
+    model = checkpointed(llama_model(), use_reentrant=False)
+    batch, graphs = inputs(False), Graphs()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=graphs, dynamic=False)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        loss = compiled(**batch).loss
+        loss.backward()
+        return loss.detach()
+
+    stock = step()
+    before = len(graphs.backward)
+    handle = install(model, NUM_LAYERS)
+    assert step() == stock
+    recompiled = len(graphs.backward)
+    assert step() == stock and len(graphs.backward) == recompiled > before
+    assert attention_forwards(graphs.backward[:before]) == NUM_LAYERS
+    assert attention_forwards(graphs.backward[before:]) == 0
+    assert handle.compiled_layers == handle.layers
+    handle.remove()
+    losses, _, fresh = compiled_steps(model, batch, steps=1)
+    assert losses == [stock] and attention_forwards(fresh.backward) == NUM_LAYERS
+
+
+def mm_policy(ctx, op, *args, **kwargs):
+    """A user's policy that saves the matmuls."""
+    return CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.mm.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def recompute_attention_policy(ctx, op, *args, **kwargs):
+    """A user's policy that recomputes the attention kernel."""
+    return CheckpointPolicy.MUST_RECOMPUTE if op is CPU_FLASH.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def contexts(policy):
+    return create_selective_checkpoint_contexts(policy)
+
+
+@pytest.mark.parametrize("policy", [mm_policy, recompute_attention_policy])
+def test_a_checkpoints_own_policy_composes_and_wins_where_it_names_an_op(install, policy):
+    """The checkpoint's own context_fn: where it saves the matmuls, the backward graph recomputes none of them and no
+    attention forward; where it recomputes the attention kernel, that policy wins, and the handle does not report
+    the layers."""
+    from functools import partial
+
+    batch = inputs(False)
+    plain_losses, plain_grads, plain = compiled_steps(checkpointed(llama_model(),
+                                                                   use_reentrant=False,
+                                                                   context_fn=partial(contexts, policy)),
+                                                      batch,
+                                                      steps=1)
+    model = checkpointed(llama_model(), use_reentrant=False, context_fn=partial(contexts, policy))
+    handle = install(model, NUM_LAYERS)
+    losses, grads, graphs = compiled_steps(model, batch, steps=1)
+    assert losses == plain_losses
+    assert_same_grads(grads, plain_grads)
+    if policy is mm_policy:
+        # Their policy saves the matmuls, ours the attention: neither is recomputed.
+        assert matmuls(graphs.backward) == matmuls(plain.backward)
+        assert attention_forwards(plain.backward) == NUM_LAYERS
+        assert attention_forwards(graphs.backward) == 0
+        assert handle.compiled_layers == handle.layers
+    else:
+        assert attention_forwards(graphs.backward) == NUM_LAYERS
+        assert handle.compiled_layers == ()
+
+
+@pytest.mark.parametrize("setup, message", [
+    ("reentrant", "needs non-reentrant checkpointing for the compiled checkpoint of model.layers.0, got "
+     "use_reentrant=True, which torch.compile never runs: dynamo traces every checkpoint as non-reentrant. Enable "
+     "checkpointing with use_reentrant=False, or remove the stash (handle.remove())."),
+    ("other_context_fn", "needs a context_fn made by create_selective_checkpoint_contexts, the one kind dynamo takes "
+     "for the compiled checkpoint of model.layers.0, got functools.partial(<class 'tuple'>"),
+])
+def test_what_the_compiled_path_cannot_serve_is_refused_at_the_first_compiled_step(install, setup, message):
+    """Refused by name as dynamo's graph is compiled, before any step runs; torch.compile's error carries it."""
+    import contextlib
+    from functools import partial
+
+    if setup == "reentrant":
+        model = checkpointed(llama_model(), use_reentrant=True)
+    else:
+        model = checkpointed(llama_model(),
+                             use_reentrant=False,
+                             context_fn=partial(tuple, (contextlib.nullcontext(), contextlib.nullcontext())))
+    install(model, NUM_LAYERS)
+    torch._dynamo.reset()
+    with pytest.raises((AttentionStashError, torch._dynamo.exc.BackendCompilerFailed)) as raised:
+        torch.compile(model, backend=Graphs())(**inputs(False)).loss.backward()
+    torch._dynamo.reset()
+    # Raised as the graph is traced (the context_fn's contexts), or as it is compiled, which wraps it.
+    error = getattr(raised.value, "inner_exception", raised.value)
+    assert isinstance(error, AttentionStashError) and message in str(error)
+
+
+def test_a_flash_attention_2_layer_is_refused_at_the_first_compiled_step(install, monkeypatch):
+    """flash-attn's kernels are not served compiled yet: the compiled checkpoint of a flash_attention_2 layer is
+    refused by name, and the install line says so."""
+    from attention_stash_flash import flash_attn_or_skip, use_flash_attention_2
+    from attention_stash_helpers import logged_messages
+
+    flash_attn_or_skip()
+    use_flash_attention_2(monkeypatch)
+    model = checkpointed(llama_model(), use_reentrant=False)
+    model.config._attn_implementation = "flash_attention_2"
+    with logged_messages() as messages:
+        install(model, NUM_LAYERS)
+    assert "; under torch.compile, refused: these kernels are not served compiled yet; " in messages[-1]
+    torch._dynamo.reset()
+    with pytest.raises((AttentionStashError, torch._dynamo.exc.BackendCompilerFailed)) as raised:
+        torch.compile(model, backend=Graphs())(**inputs(False)).loss.backward()
+    torch._dynamo.reset()
+    error = getattr(raised.value, "inner_exception", raised.value)
+    assert isinstance(error, AttentionStashError)
+    assert ('needs attn_implementation="sdpa" for the compiled checkpoint of model.layers.0, got "flash_attention_2", '
+            'whose kernels it does not serve under torch.compile yet. Train the compiled model with sdpa, or remove '
+            'the stash (handle.remove()).') in str(error)
+
+
+def test_a_graph_break_inside_a_stashed_layer_is_refused(install):
+    """A pre-hook on layer 1's attention that breaks dynamo's graph: dynamo runs that layer's checkpoint eagerly, which
+    the stash refuses by name (its compiled frames are the layers' own: none reuses another layer's stash)."""
+    model = checkpointed(llama_model(use_cache=False), use_reentrant=False)
+    install(model, NUM_LAYERS)
+    model.model.layers[1].self_attn.register_forward_pre_hook(lambda module, args: torch._dynamo.graph_break())
+    torch._dynamo.reset()
+    with pytest.raises((AttentionStashError, torch._dynamo.exc.BackendCompilerFailed)) as raised:
+        torch.compile(model, backend=Graphs())(**inputs(False)).loss.backward()
+    torch._dynamo.reset()
+    error = getattr(raised.value, "inner_exception", raised.value)
+    assert isinstance(error, AttentionStashError)
+    assert (
+        "needs dynamo's tracing for the compiled checkpoint of model.layers.1, got a checkpoint run eagerly after a "
+        "graph break in the layer's forward. Remove the graph break, or remove the stash (handle.remove())."
+    ) in str(error)
+
+
+def test_a_stashed_checkpoint_run_eagerly_inside_a_compiled_region_is_refused(install, monkeypatch):
+    """Where dynamo runs a frame eagerly and calls a stashed layer's checkpoint from it, its frame callback is still
+    set: the eager path refuses, naming the graph break. The callback is what the guard reads, so the test sets it."""
+    model = checkpointed(llama_model(), use_reentrant=False)
+    install(model, NUM_LAYERS)
+    monkeypatch.setattr(torch._C._dynamo.eval_frame, "get_eval_frame_callback", lambda: object())
+    with pytest.raises(AttentionStashError,
+                       match=r"needs dynamo to trace the checkpoint of model.layers.0 under torch.compile, got it run "
+                       r"eagerly after a graph break, where the stash's state would break the graph around it\."):
+        model(**inputs(False))
