@@ -1436,14 +1436,28 @@ def _compiled_contexts(key, use_reentrant, context_fn):
                  f'it does not serve under torch.compile yet', "Train the compiled model with sdpa"),
                 (context_fn and not user_policy, "a context_fn made by create_selective_checkpoint_contexts, the one "
                  "kind dynamo takes", repr(context_fn), "Give the checkpoint such a policy"),
-                (torch._guards.TracingContext.try_get() is None, "dynamo's tracing", "a checkpoint run eagerly after "
-                 "a graph break in the layer's forward", "Remove the graph break"))
+                (torch._guards.TracingContext.try_get() is None, "dynamo's tracing", *_graph_break(stash)))
     for refused, needs, got, fix in refusals:
         if refused:
             raise AttentionStashError(f"{_FEATURE} needs {needs} for the compiled checkpoint of {stash.name}, got "
                                       f"{got}. {fix}, or remove the stash (handle.remove()).")
     return torch.utils.checkpoint.create_selective_checkpoint_contexts(
         partial(_compiled_policy, stash, record.compiled_ops, user_policy))
+
+
+def _graph_break(stash):
+    """What runs a stashed layer's checkpoint eagerly under torch.compile, and its fix: a graph break inside the layer,
+    named where the stash knows it. kernels >= 0.18 wraps Hugging Face's attention forward (``use_kernelized_func``)
+    in one that sets a context variable of its own, which dynamo does not trace inside a checkpoint."""
+    got = "a checkpoint run eagerly after a graph break in the layer's forward"
+    if (getattr(sys.modules.get("kernels.layer.layer"), "_ACTIVE_KERNEL_FUNCS", None) is None
+            or torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint
+            or not any("_kernel_funcs" in vars(module) for module in stash.modules)):
+        return got, "Remove the graph break"
+    return (f"{got}: kernels {importlib.metadata.version('kernels')} sets a context variable there, a mutation dynamo "
+            f"does not trace inside a checkpoint, so plain checkpoints run eagerly too", "Set torch._dynamo.config."
+            "skip_fwd_side_effects_in_bwd_under_checkpoint = True (the recompute then skips setting that variable and "
+            "resetting it, which leave nothing behind)")
 
 
 def _compiled_policy(stash, ops, user_policy, ctx, op, *args, **kwargs):

@@ -12,6 +12,7 @@ directly: a search for the op alone finds none even in a compiled plain step's b
 """
 
 import re
+from importlib.metadata import version
 
 import pytest
 import torch
@@ -100,6 +101,15 @@ def compiled_steps(model, batch, steps=2):
         losses.append(loss.detach())
     torch._dynamo.reset()
     return losses, param_grads(model), graphs
+
+
+@pytest.fixture(autouse=True)
+def traceable_kernels_layers():
+    """kernels >= 0.18 wraps Hugging Face's attention modules' forward in one that sets a context variable of its own,
+    a mutation dynamo refuses inside a checkpoint unless told not to replay it in the recompute: compiled plain runs
+    every checkpoint eagerly then. Both arms of every test here trace their checkpoints."""
+    with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+        yield
 
 
 @pytest.fixture
@@ -303,3 +313,29 @@ def test_a_stashed_checkpoint_run_eagerly_inside_a_compiled_region_is_refused(in
                        match=r"needs dynamo to trace the checkpoint of model.layers.0 under torch.compile, got it run "
                        r"eagerly after a graph break, where the stash's state would break the graph around it\."):
         model(**inputs(False))
+
+
+def test_kernels_context_variable_in_the_attention_forward_is_named(install):
+    """kernels >= 0.18 wraps Hugging Face's attention forward in one that sets a context variable, which dynamo does not
+    trace inside a checkpoint unless told to skip it in the recompute: dynamo runs the checkpoints eagerly, and the
+    stash's refusal names that cause and the dynamo setting that removes it."""
+    wrapper = pytest.importorskip("kernels.layer.layer")
+    if not hasattr(wrapper, "_ACTIVE_KERNEL_FUNCS"):
+        pytest.skip("kernels < 0.18 sets no context variable in Hugging Face's attention forward")
+    model = checkpointed(llama_model(), use_reentrant=False)
+    if "_kernel_funcs" not in vars(model.model.layers[0].self_attn):
+        pytest.skip(f"transformers {transformers.__version__} does not use kernels {version('kernels')} "
+                    f"(5.22 takes kernels < 0.18)")
+    install(model, NUM_LAYERS)
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=False), pytest.raises(
+        (AttentionStashError, torch._dynamo.exc.BackendCompilerFailed)) as raised:
+        torch.compile(model, backend=Graphs())(**inputs(False)).loss.backward()
+    torch._dynamo.reset()
+    error = getattr(raised.value, "inner_exception", raised.value)
+    assert isinstance(error, AttentionStashError) and re.search(
+        r"needs dynamo's tracing for the compiled checkpoint of model\.layers\.[0-9], got a checkpoint run eagerly "
+        r"after a graph break in the layer's forward: kernels 0\.18\.[0-9]+ sets a context variable there, a mutation "
+        r"dynamo does not trace inside a checkpoint, so plain checkpoints run eagerly too\. Set torch\._dynamo\.config"
+        r"\.skip_fwd_side_effects_in_bwd_under_checkpoint = True \(the recompute then skips setting that variable and "
+        r"resetting it, which leave nothing behind\), or remove the stash \(handle\.remove\(\)\)\.", str(error))
