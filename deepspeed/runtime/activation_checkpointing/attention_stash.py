@@ -1020,6 +1020,7 @@ class _FlashInterface:
     varlen_function: object
     ops: _Ops
     varlen_ops: _Ops
+    compiled_ops: frozenset
     calls: tuple = ()
 
 
@@ -1104,11 +1105,21 @@ def _load_flash(record):
                              interface.ops.op) != (function, varlen_function, names[0]):
         # A pending recompute compares its ops with its forward's: the same functions keep the same ops.
         interface = _FlashInterface(family, f"{family.name}'s interface from {_source(module)}", function,
-                                    varlen_function, family.ops(module, names, False), family.ops(module, names, True))
+                                    varlen_function, family.ops(module, names, False), family.ops(module, names, True),
+                                    _traced_ops(getattr(module, name) for name in names[:2]))
         interface.calls = (partial(_flash_of_current_call, interface), partial(_flash_varlen_of_current_call,
                                                                                interface))
         _FLASH_INTERFACES[name] = interface
     return interface
+
+
+def _traced_ops(functions):
+    """The names of the ops that are the given kernel functions, for a compiled checkpoint's policy; empty where one is
+    not a torch op with a fake kernel (a Python function over compiled kernels), which dynamo would not trace."""
+    ops = [getattr(function, "_opoverload", None) or getattr(function, "default", None) for function in functions]
+    if not all(op is not None and torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "Meta") for op in ops):
+        return frozenset()
+    return frozenset(op._schema.name for op in ops)
 
 
 def _flash_layout(record, *shapes):
@@ -1146,13 +1157,13 @@ class _Implementation:
     # Whether Hugging Face registers the implementation's entry again, library-wide, at each load of its kernels (a Hub
     # kernel's, when another flash implementation was loaded since): the stash's entry then goes in front of it.
     registered_at_load: bool = False
-    # Under torch.compile: the kernels' ops (packets) that the checkpoint's policy saves; None: refused compiled.
-    compiled_ops: frozenset = None
+    # Under torch.compile: the names of the kernels' ops that the checkpoint's policy saves (none: refused there).
+    compiled_ops: object = lambda record: (_FLASH_INTERFACES.get(record.name) or _load_flash(record)).compiled_ops
 
 
 _FLASH_CALLS = "flash-attn's flash_attn_func or flash_attn_varlen_func"
 # The fused SDPA kernels of the backend table, which a compiled stashed layer's checkpoint saves.
-_SDPA_OPS = frozenset(getattr(aten, ops.op) for ops in _BACKENDS.values())
+_SDPA_OPS = frozenset(f"aten::{ops.op}" for ops in _BACKENDS.values())
 # Multi-head latent attention (DeepSeek) has a value head dimension of its own, the output's under sdpa; for
 # flash-attn, Hugging Face pads the value to the query's head dimension. flash_attn_varlen_func's layout keeps as many
 # bytes per token as flash_attn_func's.
@@ -1165,7 +1176,7 @@ _IMPLEMENTATIONS = {
                         _sdpa_copy,
                         lambda record: None,
                         _sdpa_layout,
-                        compiled_ops=_SDPA_OPS),
+                        compiled_ops=lambda record: _SDPA_OPS),
         _Implementation("flash_attention_2", _FLASH_CALLS, "qk_head_dim", _flash_copy, _load_flash, _flash_layout, (
             "flash-attn 2", "the flash_attn package")),
         _Implementation("flash_attention_3", _FLASH_CALLS, "qk_head_dim", _flash_copy, _load_flash, _flash_layout, (
@@ -1430,10 +1441,13 @@ def _compiled_contexts(key, use_reentrant, context_fn):
         # Removed since dynamo traced the call: stock.
         return (context_fn or torch.utils.checkpoint.noop_context_fn)()
     record = _implementation(stash.implementation)
+    ops, interface = record.compiled_ops(record), _FLASH_INTERFACES.get(stash.implementation)
     refusals = ((use_reentrant, "non-reentrant checkpointing", "use_reentrant=True, which torch.compile never runs: "
                  "dynamo traces every checkpoint as non-reentrant", "Enable checkpointing with use_reentrant=False"),
-                (record.compiled_ops is None, 'attn_implementation="sdpa"', f'"{stash.implementation}", whose kernels '
-                 f'it does not serve under torch.compile yet', "Train the compiled model with sdpa"),
+                (not ops, "kernel functions that dynamo traces (torch ops with fake kernels)",
+                 f"{interface.description if interface else stash.implementation}, whose kernel functions are Python "
+                 f"functions calling compiled kernels", "Train the compiled model with sdpa, flash-attn 2 or a Hub "
+                 "build whose kernel functions are such ops"),
                 (context_fn and not user_policy, "a context_fn made by create_selective_checkpoint_contexts, the one "
                  "kind dynamo takes", repr(context_fn), "Give the checkpoint such a policy"),
                 (torch._guards.TracingContext.try_get() is None, "dynamo's tracing", *_graph_break(stash)))
@@ -1442,7 +1456,7 @@ def _compiled_contexts(key, use_reentrant, context_fn):
             raise AttentionStashError(f"{_FEATURE} needs {needs} for the compiled checkpoint of {stash.name}, got "
                                       f"{got}. {fix}, or remove the stash (handle.remove()).")
     return torch.utils.checkpoint.create_selective_checkpoint_contexts(
-        partial(_compiled_policy, stash, record.compiled_ops, user_policy))
+        partial(_compiled_policy, stash, ops, user_policy))
 
 
 def _graph_break(stash):
@@ -1464,7 +1478,7 @@ def _compiled_policy(stash, ops, user_policy, ctx, op, *args, **kwargs):
     """The compiled checkpoint's policy: MUST_SAVE for a served kernel's op, unless the checkpoint's own policy
     recomputes it; else that policy's answer, or PREFER_RECOMPUTE."""
     policy = user_policy(ctx, op, *args, **kwargs) if user_policy else _Policy.PREFER_RECOMPUTE
-    if getattr(op, "overloadpacket", None) not in ops or policy == _Policy.MUST_RECOMPUTE:
+    if getattr(getattr(op, "_schema", None), "name", None) not in ops or policy == _Policy.MUST_RECOMPUTE:
         return policy
     stash.counters.compiled.add(stash.name)
     return _Policy.MUST_SAVE
@@ -1981,8 +1995,8 @@ def _install_message(model, chosen, records, plans, others, sizes, micro_batch_s
     mode = ("checkpointing not enabled yet" if not layer.gradient_checkpointing or reentrant is None else
             "reentrant checkpointing" if reentrant else "non-reentrant checkpointing")
     compiled = ("under torch.compile, the compiled checkpoint saves the kernel's outputs instead (a model compiled "
-                "before this install recompiles once)" if all(record.compiled_ops for record in records) else
-                "under torch.compile, refused: these kernels are not served compiled yet")
+                "before this install recompiles once)" if all(record.compiled_ops(record) for record in records) else
+                "under torch.compile, refused: dynamo cannot trace these kernels")
     message = (f"{_FEATURE}: keeping the attention output of {len(chosen)} of {len(plans)} attention layers "
                f"({chosen[0].name} to {chosen[-1].name}) for their recompute: {cost}; {mode}: the recompute replays "
                f"the kept output through the kernel's backward, in either mode; {compiled}; attn_implementation "

@@ -11,6 +11,7 @@ checkpointed regions' fused CPU attention op in rng-state operators (``run_and_s
 directly: a search for the op alone finds none even in a compiled plain step's backward graph there.
 """
 
+import importlib
 import re
 from importlib.metadata import version
 
@@ -56,15 +57,16 @@ class Graphs:
                             partition_fn=min_cut_rematerialization_partition)(graph_module, example_inputs)
 
 
-def attention_forwards(graphs):
-    """The fused CPU attention forwards the graphs run: the op itself (torch 2.15), or inside AOTAutograd's rng-state
-    wrapper (torch 2.13 and 2.14 wrap it in checkpointed regions, ``run_with_rng_state`` in a backward graph)."""
+def attention_forwards(graphs, op=CPU_FLASH.default):
+    """The attention forwards (``op``, the fused CPU one by default) the graphs run: the op itself, or inside
+    AOTAutograd's rng-state wrapper (torch 2.13 and 2.14 wrap the CPU one in checkpointed regions,
+    ``run_with_rng_state`` in a backward graph)."""
     wrappers = {
         getattr(torch.ops.higher_order, name, None)
         for name in ("run_with_rng_state", "run_and_save_rng_state")
     }
     return sum(1 for graph in graphs for node in graph.graph.nodes
-               if node.target is CPU_FLASH.default or (node.target in wrappers and CPU_FLASH.default in node.args))
+               if node.target is op or (node.target in wrappers and op in node.args))
 
 
 def matmuls(graphs):
@@ -260,28 +262,102 @@ def test_what_the_compiled_path_cannot_serve_is_refused_at_the_first_compiled_st
     assert isinstance(error, AttentionStashError) and message in str(error)
 
 
-def test_a_flash_attention_2_layer_is_refused_at_the_first_compiled_step(install, monkeypatch):
-    """flash-attn's kernels are not served compiled yet: the install line says so, and the compiled checkpoint's
-    contexts (made as the first compiled step's graph is compiled) refuse a flash_attention_2 layer by name. They are
-    called here directly: compiling Hugging Face's flash path leaves transformers' state that later compiled tests of
-    the same process trip on."""
+def use_flash(monkeypatch, tmp_path_factory, implementation):
+    """Hugging Face's path for a flash ``implementation`` made to run on this machine (see attention_stash_flash and
+    attention_stash_flash3), its kernels imported, as the install would: Hugging Face imports them at its first call,
+    which breaks dynamo's graph inside the layer. The op of its forward kernel function, None for a Python function."""
     from attention_stash_flash import flash_attn_or_skip, use_flash_attention_2
+    from attention_stash_flash3 import flash_kernels_or_skip, hub_kernel_name, use_flash_attention_3, use_hub_kernel
+    from transformers.modeling_flash_attention_utils import lazy_import_flash_attention
+
+    if implementation == "flash_attention_2":
+        flash_attn_or_skip()
+        use_flash_attention_2(monkeypatch)
+        lazy_import_flash_attention(implementation)
+        return torch.ops.flash_attn._flash_attn_forward.default
+    flash_kernels_or_skip()
+    if implementation == "flash_attention_3":
+        use_flash_attention_3(monkeypatch)
+        lazy_import_flash_attention(implementation)
+        return None
+    # A custom op's, named in the build's namespace.
+    module = importlib.import_module(use_hub_kernel(monkeypatch, tmp_path_factory, implementation).__name__ +
+                                     ".flash_attn_interface")
+    op = getattr(module._flash_attn_forward, "_opoverload", None)
+    assert op is None or op.namespace == hub_kernel_name(implementation)
+    return op
+
+
+def flash_model(implementation):
+    # bfloat16, as flash-attn takes it: Hugging Face casts float32 inputs with a warning, which breaks the graph.
+    model = checkpointed(llama_model(dtype=torch.bfloat16), use_reentrant=False)
+    model.config._attn_implementation = implementation
+    return model
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["plain", "padded"])
+@pytest.mark.parametrize("implementation",
+                         ["flash_attention_2", "kernels-community/flash-attn2", "kernels-community/flash-attn3"])
+def test_a_compiled_flash_step_saves_the_stashed_layers_attention(install, monkeypatch, tmp_path_factory,
+                                                                   implementation, padded):
+    """flash-attn 2's kernel functions, and the Hub builds', are custom ops with fake kernels (flash-attn's own and the
+    builds'; the CPU kernels are the tests' stand-ins): compiled plain against compiled stashed, as for sdpa, the
+    stashed layers' forward op saved. A padded batch breaks dynamo's graph inside the layer, and is refused."""
+    from attention_stash_helpers import logged_messages
+
+    op = use_flash(monkeypatch, tmp_path_factory, implementation)
+    batch, stashed = inputs(padded), NUM_LAYERS - 1
+    plain_losses, plain_grads, plain = compiled_steps(flash_model(implementation), batch)
+    model = flash_model(implementation)
+    with logged_messages() as messages:
+        handle = install(model, stashed)
+    assert "; under torch.compile, the compiled checkpoint saves the kernel's outputs instead" in messages[-1]
+    if padded:
+        # Hugging Face unpads with nonzero(), whose shape dynamo does not trace by default, and calls the varlen
+        # function with one tensor as both cu_seqlens, which it does not trace at all: compiled plain runs these
+        # checkpoints eagerly, and the stash refuses them by name.
+        with pytest.raises((AttentionStashError, torch._dynamo.exc.BackendCompilerFailed)) as raised:
+            compiled_steps(model, batch)
+        error = getattr(raised.value, "inner_exception", raised.value)
+        assert isinstance(error, AttentionStashError) and "eagerly after a graph break" in str(error)
+        assert attention_forwards(plain.backward, op) == 0 and handle.compiled_layers == ()
+        return
+    losses, grads, graphs = compiled_steps(model, batch)
+    assert losses[0] == plain_losses[0] and losses[1] == losses[0]
+    assert_same_grads(grads, plain_grads)
+    assert attention_forwards(plain.backward, op) == NUM_LAYERS
+    assert attention_forwards(graphs.backward, op) == NUM_LAYERS - stashed
+    assert matmuls(graphs.backward) == matmuls(plain.backward) > 0
+    assert handle.compiled_layers == handle.layers and handle.recomputes_served == 0
+
+
+@pytest.mark.parametrize("implementation, source", [
+    ("flash_attention_3", "flash-attn 3's interface from flash_attn_interface"),
+    ("kernels-community/vllm-flash-attn3", "vLLM's flash-attn 3's interface from the Hub kernel "),
+])
+def test_flash_kernels_dynamo_cannot_trace_are_refused_at_the_first_compiled_step(install, monkeypatch,
+                                                                                  tmp_path_factory, implementation,
+                                                                                  source):
+    """flash-attn 3's interface (flash-attn 2.8.3's hopper/) and vLLM's Hub build call their compiled kernels from
+    Python functions, without fake kernels: the install line says they are refused compiled, and the compiled
+    checkpoint's contexts (made as the first compiled step's graph is compiled) refuse them by name."""
     from attention_stash_helpers import logged_messages
     from deepspeed.runtime.activation_checkpointing import attention_stash
 
-    flash_attn_or_skip()
-    use_flash_attention_2(monkeypatch)
-    model = checkpointed(llama_model(), use_reentrant=False)
-    model.config._attn_implementation = "flash_attention_2"
+    assert use_flash(monkeypatch, tmp_path_factory, implementation) is None
+    model = flash_model(implementation)
     with logged_messages() as messages:
         handle = install(model, NUM_LAYERS)
-    assert "; under torch.compile, refused: these kernels are not served compiled yet; " in messages[-1]
+    assert "; under torch.compile, refused: dynamo cannot trace these kernels; " in messages[-1]
     stash = attention_stash._LAYER_STASHES[id(model.model.layers[0])]
-    with pytest.raises(AttentionStashError,
-                       match=r'needs attn_implementation="sdpa" for the compiled checkpoint of model\.layers\.0, got '
-                       r'"flash_attention_2", whose kernels it does not serve under torch\.compile yet\. Train the '
-                       r'compiled model with sdpa, or remove the stash \(handle\.remove\(\)\)\.'):
+    with pytest.raises(AttentionStashError) as raised:
         attention_stash._compiled_contexts(stash.key, False, None)
+    assert str(raised.value).startswith(
+        f"attention stash needs kernel functions that dynamo traces (torch ops with fake kernels) for the compiled "
+        f"checkpoint of model.layers.0, got {source}")
+    assert str(raised.value).endswith(
+        ", whose kernel functions are Python functions calling compiled kernels. Train the compiled model with sdpa, "
+        "flash-attn 2 or a Hub build whose kernel functions are such ops, or remove the stash (handle.remove()).")
     assert handle.compiled_layers == ()
 
 
