@@ -415,3 +415,88 @@ def test_kernels_context_variable_in_the_attention_forward_is_named(install):
         r"dynamo does not trace inside a checkpoint, so plain checkpoints run eagerly too\. Set torch\._dynamo\.config"
         r"\.skip_fwd_side_effects_in_bwd_under_checkpoint = True \(the recompute then skips setting that variable and "
         r"resetting it, which leave nothing behind\), or remove the stash \(handle\.remove\(\)\)\.", str(error))
+
+
+def test_the_trainer_with_torch_compile_saves_the_stashed_layers_attention(install, tmp_path, monkeypatch):
+    """The Hugging Face Trainer with ``torch_compile=True`` and its "aot_eager" backend, the stash installed before
+    ``train()``: two steps leave the parameters bitwise those of the same run without the stash, and the backward
+    graphs run no attention forward of a stashed layer. The backend's name is given this file's (AOTAutograd with the
+    min-cut partitioner running the graphs eagerly, as aot_eager, keeping them): the Trainer takes only known names."""
+    from torch._dynamo.backends import registry
+    from transformers import Trainer, TrainingArguments
+
+    class Batches(torch.utils.data.Dataset):
+
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, index):
+            ids = batch_ids(seed=index, batch=1, sequence=SEQUENCE)[0]
+            return {"input_ids": ids, "labels": ids}
+
+    def train(stashed):
+        model, graphs = llama_model(), Graphs()
+        handle = install(model, stashed) if stashed else None
+        registry.lookup_backend("aot_eager")  # registered at its first lookup
+        monkeypatch.setitem(registry._COMPILER_FNS, "aot_eager", graphs)
+        # transformers 5.23 renamed the Trainer's gradient_checkpointing arguments, keeping deprecated aliases.
+        prefix = "activation" if "activation_checkpointing" in TrainingArguments.__dataclass_fields__ else "gradient"
+        arguments = TrainingArguments(output_dir=str(tmp_path / str(stashed)),
+                                      per_device_train_batch_size=BATCH,
+                                      max_steps=2,
+                                      **{f"{prefix}_checkpointing": True},
+                                      torch_compile=True,
+                                      torch_compile_backend="aot_eager",
+                                      use_cpu=True,
+                                      report_to=[],
+                                      save_strategy="no",
+                                      disable_tqdm=True)
+        torch._dynamo.reset()
+        Trainer(model=model, args=arguments, train_dataset=Batches()).train()
+        torch._dynamo.reset()
+        # The Trainer's non-reentrant default.
+        assert model.model.layers[0].__dict__["_gradient_checkpointing_func"].keywords["use_reentrant"] is False
+        return {name: param.detach().clone() for name, param in model.named_parameters()}, graphs, handle
+
+    plain_params, plain, _ = train(0)
+    params, graphs, handle = train(NUM_LAYERS)
+    assert_same_grads(params, plain_params)
+    assert attention_forwards(plain.backward) == NUM_LAYERS
+    assert attention_forwards(graphs.backward) == 0 and len(graphs.backward) == len(plain.backward)
+    assert handle.compiled_layers == handle.layers and handle.recomputes_served == 0
+
+
+def test_an_inductor_step_saves_the_stashed_layers_attention(install):
+    """Inductor (its C++ kernels on CPU), compiled plain against compiled stashed: the stashed layers' attention forward
+    leaves the backward graph Inductor compiles, and loss and gradients agree within float32 rounding: the two
+    partitions save different tensors, so Inductor may fuse and order the surrounding arithmetic differently."""
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    def inductor():
+        graphs = Graphs()
+
+        def inner(graph, inputs, **kwargs):
+            (graphs.backward if kwargs.get("is_backward") else graphs.forward).append(graph)
+            return compile_fx_inner(graph, inputs, **kwargs)
+
+        return graphs, lambda graph, inputs: compile_fx(graph, inputs, inner_compile=inner)
+
+    def step(model):
+        graphs, backend = inductor()
+        torch._dynamo.reset()
+        loss = torch.compile(model, backend=backend, dynamic=False)(**inputs(False)).loss
+        loss.backward()
+        torch._dynamo.reset()
+        return loss.detach(), param_grads(model), graphs
+
+    plain_loss, plain_grads, plain = step(checkpointed(llama_model(), use_reentrant=False))
+    model = checkpointed(llama_model(), use_reentrant=False)
+    handle = install(model, NUM_LAYERS)
+    loss, grads, graphs = step(model)
+    # Measured: the losses equal, the gradients apart by 3e-8 at most (float32's epsilon is 1.2e-7).
+    torch.testing.assert_close(loss, plain_loss, rtol=1e-5, atol=1e-6)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, plain_grads[name], rtol=1e-5, atol=1e-6)
+    assert attention_forwards(plain.backward) == NUM_LAYERS
+    assert attention_forwards(graphs.backward) == 0
+    assert handle.compiled_layers == handle.layers
