@@ -1402,12 +1402,14 @@ class _CheckpointFunctionSlot:
             function = layer.__dict__[_CHECKPOINT_FUNCTION]
         except KeyError:
             raise AttributeError(_CHECKPOINT_FUNCTION) from None
-        # Dynamo resolves a WeakKeyDictionary lookup as the first key's, also for another layer's compiled frame.
-        stash = _LAYER_STASHES.get(id(layer)) if torch.compiler.is_compiling() else _STASHES.get(layer)
+        if torch.compiler.is_compiling():
+            # Dynamo resolves a WeakKeyDictionary lookup as the first key's, also for another layer's compiled frame;
+            # and it would guard on a cached partial, and recompile.
+            stash = _LAYER_STASHES.get(id(layer))
+            return function if stash is None or stash.layer() is not layer else partial(stash.checkpoint, function)
+        stash = _STASHES.get(layer)
         if stash is None or stash.layer() is not layer:
             return function
-        if torch.compiler.is_compiling():
-            return partial(stash.checkpoint, function)  # dynamo would guard on the cached one, and recompile
         if stash.wrapped is None or stash.wrapped.args[0] is not function:
             stash.wrapped = partial(stash.checkpoint, function)
         return stash.wrapped
