@@ -1299,6 +1299,10 @@ class _LayerStash:
         """For a training call of the layer's attention that the stash's checkpoint call does not run: stand aside
         (stock attention, nothing kept) where the layer's checkpointing was turned off since it was on, warning once
         until a checkpointed call; else raise."""
+        if any((getattr(getattr(mode, "policy_fn", None), "args", None) or (None, ))[0] is self
+               for mode in torch.utils._python_dispatch._get_current_dispatch_mode_stack()):
+            # The eager forward of its compiled checkpoint (_compiled_contexts): dynamo gave up tracing the layer.
+            _refuse_compiled(self, "dynamo's tracing", *_graph_break(self))
         layer = self.layer()
         owner = None if layer is None or _held is None else _class_defining(type(layer), _CHECKPOINT_FUNCTION)
         if owner is not None and owner is not _held.layer_class:
@@ -1451,21 +1455,31 @@ def _compiled_contexts(key, use_reentrant, context_fn):
                  f"functions calling compiled kernels", "Train the compiled model with sdpa, flash-attn 2 or a Hub "
                  "build whose kernel functions are such ops"),
                 (context_fn and not user_policy, "a context_fn made by create_selective_checkpoint_contexts, the one "
-                 "kind dynamo takes", repr(context_fn), "Give the checkpoint such a policy"),
-                (torch._guards.TracingContext.try_get() is None, "dynamo's tracing", *_graph_break(stash)))
+                 "kind dynamo takes", repr(context_fn), "Give the checkpoint such a policy"))
     for refused, needs, got, fix in refusals:
         if refused:
-            raise AttentionStashError(f"{_FEATURE} needs {needs} for the compiled checkpoint of {stash.name}, got "
-                                      f"{got}. {fix}, or remove the stash (handle.remove()).")
+            _refuse_compiled(stash, needs, got, fix)
+    # Outside AOTAutograd's tracing the policy saves the kernel eagerly: dynamo's checkpoint operator under a backend
+    # without AOTAutograd (dynamo's "eager") runs the traced layer, whose attention never reaches the stash's entry; a
+    # checkpoint run eagerly after a graph break reaches it, which refuses (_LayerStash.outside_checkpoint).
     return torch.utils.checkpoint.create_selective_checkpoint_contexts(
         partial(_compiled_policy, stash, ops, user_policy))
+
+
+def _refuse_compiled(stash, needs, got, fix):
+    raise AttentionStashError(f"{_FEATURE} needs {needs} for the compiled checkpoint of {stash.name}, got {got}. "
+                              f"{fix}, or remove the stash (handle.remove()).")
 
 
 def _graph_break(stash):
     """What runs a stashed layer's checkpoint eagerly under torch.compile, and its fix: a graph break inside the layer,
     named where the stash knows it. kernels >= 0.18 wraps Hugging Face's attention forward (``use_kernelized_func``)
-    in one that sets a context variable of its own, which dynamo does not trace inside a checkpoint."""
+    in one that sets a context variable of its own, which dynamo does not trace inside a checkpoint; ZeRO-3 gathers
+    each submodule's parameters in hooks dynamo does not trace (torch.compiler.disable)."""
     got = "a checkpoint run eagerly after a graph break in the layer's forward"
+    if any(hasattr(param, "ds_id") for module in stash.modules for param in module.parameters(recurse=False)):
+        return (f"{got}: DeepSpeed ZeRO stage 3 gathers each submodule's parameters in forward hooks that dynamo does "
+                f"not trace, so plain checkpoints run eagerly too", "Compile with ZeRO stage 0, 1 or 2")
     if (getattr(sys.modules.get("kernels.layer.layer"), "_ACTIVE_KERNEL_FUNCS", None) is None
             or torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint
             or not any("_kernel_funcs" in vars(module) for module in stash.modules)):
