@@ -337,3 +337,43 @@ def assert_same_calls(ours, theirs):
                 assert (mine[parameter].shape, mine[parameter].dtype) == (value.shape, value.dtype), (name, parameter)
             else:
                 assert same_value(mine[parameter], value), (name, parameter)
+
+
+# The fused CPU attention op, whose forwards the compiled tests count in graphs.
+CPU_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+class Graphs:
+    """A torch.compile backend, AOTAutograd with the min-cut partitioner running the graphs eagerly, that keeps the
+    forward and backward graphs it compiles."""
+
+    def __init__(self):
+        self.forward, self.backward = [], []
+
+    def __call__(self, graph_module, example_inputs):
+        from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+        from torch._dynamo.backends.common import aot_autograd
+
+        def keep(graphs):
+
+            def compiler(graph, inputs):
+                graphs.append(graph)
+                return make_boxed_func(graph.forward)
+
+            return compiler
+
+        return aot_autograd(fw_compiler=keep(self.forward),
+                            bw_compiler=keep(self.backward),
+                            partition_fn=min_cut_rematerialization_partition)(graph_module, example_inputs)
+
+
+def attention_forwards(graphs, op=CPU_FLASH.default):
+    """The attention forwards (``op``, the fused CPU one by default) the graphs run: the op itself, or inside
+    AOTAutograd's rng-state wrapper (torch 2.13 and 2.14 wrap the CPU one in checkpointed regions,
+    ``run_with_rng_state`` in a backward graph)."""
+    wrappers = {
+        getattr(torch.ops.higher_order, name, None)
+        for name in ("run_with_rng_state", "run_and_save_rng_state")
+    }
+    return sum(1 for graph in graphs for node in graph.graph.nodes
+               if node.target is op or (node.target in wrappers and op in node.args))

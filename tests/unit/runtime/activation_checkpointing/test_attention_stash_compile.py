@@ -23,50 +23,13 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from deepspeed.runtime.activation_checkpointing.attention_stash import (AttentionStashError,
                                                                         attention_stash_layer_bytes)
 
-from attention_stash_helpers import (NUM_LAYERS, assert_same_grads, batch_ids, checkpointed, llama_model, param_grads,
-                                     qwen3_moe_model)
+from attention_stash_helpers import (CPU_FLASH, NUM_LAYERS, Graphs, assert_same_grads, attention_forwards, batch_ids,
+                                     checkpointed, llama_model, param_grads, qwen3_moe_model)
 
-CPU_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 # transformers >= 5.23 checkpoints a decoder layer's forward; up to 5.22 its __call__, hooks inside.
 FORWARD_LAYOUT = hasattr(transformers.PreTrainedModel, "activation_checkpointing_enable")
 FAMILIES = {"llama": llama_model, "qwen3_moe": qwen3_moe_model}
 BATCH, SEQUENCE = 2, 32
-
-
-class Graphs:
-    """A torch.compile backend, AOTAutograd with the min-cut partitioner running the graphs eagerly, that keeps the
-    forward and backward graphs it compiles."""
-
-    def __init__(self):
-        self.forward, self.backward = [], []
-
-    def __call__(self, graph_module, example_inputs):
-        from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
-        from torch._dynamo.backends.common import aot_autograd
-
-        def keep(graphs):
-
-            def compiler(graph, inputs):
-                graphs.append(graph)
-                return make_boxed_func(graph.forward)
-
-            return compiler
-
-        return aot_autograd(fw_compiler=keep(self.forward),
-                            bw_compiler=keep(self.backward),
-                            partition_fn=min_cut_rematerialization_partition)(graph_module, example_inputs)
-
-
-def attention_forwards(graphs, op=CPU_FLASH.default):
-    """The attention forwards (``op``, the fused CPU one by default) the graphs run: the op itself, or inside
-    AOTAutograd's rng-state wrapper (torch 2.13 and 2.14 wrap the CPU one in checkpointed regions,
-    ``run_with_rng_state`` in a backward graph)."""
-    wrappers = {
-        getattr(torch.ops.higher_order, name, None)
-        for name in ("run_with_rng_state", "run_and_save_rng_state")
-    }
-    return sum(1 for graph in graphs for node in graph.graph.nodes
-               if node.target is op or (node.target in wrappers and op in node.args))
 
 
 def matmuls(graphs):
@@ -281,8 +244,8 @@ def use_flash(monkeypatch, tmp_path_factory, implementation):
         lazy_import_flash_attention(implementation)
         return None
     # A custom op's, named in the build's namespace.
-    module = importlib.import_module(use_hub_kernel(monkeypatch, tmp_path_factory, implementation).__name__ +
-                                     ".flash_attn_interface")
+    module = importlib.import_module(
+        use_hub_kernel(monkeypatch, tmp_path_factory, implementation).__name__ + ".flash_attn_interface")
     op = getattr(module._flash_attn_forward, "_opoverload", None)
     assert op is None or op.namespace == hub_kernel_name(implementation)
     return op
@@ -299,7 +262,7 @@ def flash_model(implementation):
 @pytest.mark.parametrize("implementation",
                          ["flash_attention_2", "kernels-community/flash-attn2", "kernels-community/flash-attn3"])
 def test_a_compiled_flash_step_saves_the_stashed_layers_attention(install, monkeypatch, tmp_path_factory,
-                                                                   implementation, padded):
+                                                                  implementation, padded):
     """flash-attn 2's kernel functions, and the Hub builds', are custom ops with fake kernels (flash-attn's own and the
     builds'; the CPU kernels are the tests' stand-ins): compiled plain against compiled stashed, as for sdpa, the
     stashed layers' forward op saved. A padded batch breaks dynamo's graph inside the layer, and is refused."""
@@ -392,8 +355,8 @@ def test_a_stashed_checkpoint_run_eagerly_inside_a_compiled_region_is_refused(in
 
 
 def test_kernels_context_variable_in_the_attention_forward_is_named(install):
-    """kernels >= 0.18 wraps Hugging Face's attention forward in one that sets a context variable, which dynamo does not
-    trace inside a checkpoint unless told to skip it in the recompute: dynamo runs the checkpoints eagerly, and the
+    """kernels >= 0.18 wraps Hugging Face's attention forward in one that sets a context variable, which dynamo does
+    not trace inside a checkpoint unless told to skip it in the recompute: dynamo runs the checkpoints eagerly, and the
     stash's refusal names that cause and the dynamo setting that removes it."""
     wrapper = pytest.importorskip("kernels.layer.layer")
     if not hasattr(wrapper, "_ACTIVE_KERNEL_FUNCS"):
@@ -404,8 +367,8 @@ def test_kernels_context_variable_in_the_attention_forward_is_named(install):
                     f"(5.22 takes kernels < 0.18)")
     install(model, NUM_LAYERS)
     torch._dynamo.reset()
-    with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=False), pytest.raises(
-        (AttentionStashError, torch._dynamo.exc.BackendCompilerFailed)) as raised:
+    refused = pytest.raises((AttentionStashError, torch._dynamo.exc.BackendCompilerFailed))
+    with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=False), refused as raised:
         torch.compile(model, backend=Graphs())(**inputs(False)).loss.backward()
     torch._dynamo.reset()
     error = getattr(raised.value, "inner_exception", raised.value)
@@ -467,8 +430,8 @@ def test_the_trainer_with_torch_compile_saves_the_stashed_layers_attention(insta
 
 
 def test_an_inductor_step_saves_the_stashed_layers_attention(install):
-    """Inductor (its C++ kernels on CPU), compiled plain against compiled stashed: the stashed layers' attention forward
-    leaves the backward graph Inductor compiles, and loss and gradients agree within float32 rounding: the two
+    """Inductor (its C++ kernels on CPU), compiled plain against compiled stashed: the stashed layers' attention
+    forward leaves the backward graph Inductor compiles, and loss and gradients agree within float32 rounding: the two
     partitions save different tensors, so Inductor may fuse and order the surrounding arithmetic differently."""
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 

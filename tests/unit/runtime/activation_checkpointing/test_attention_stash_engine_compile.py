@@ -12,8 +12,8 @@ import os
 import pytest
 import torch
 
-from attention_stash_helpers import NUM_LAYERS, checkpointed, free_port, llama_model, param_grads
-from test_attention_stash_compile import Graphs, attention_forwards, inputs
+from attention_stash_helpers import (NUM_LAYERS, Graphs, attention_forwards, batch_ids, checkpointed, free_port,
+                                     llama_model, param_grads)
 
 from deepspeed.runtime.activation_checkpointing.attention_stash import AttentionStashError
 
@@ -58,7 +58,8 @@ def _engine_steps(install, stage, stashed, backend, deepcompile=False, steps=2):
     losses = []
     try:
         for _ in range(steps):
-            loss = engine(**inputs(False)).loss
+            ids = batch_ids(batch=2, sequence=32)
+            loss = engine(input_ids=ids, labels=ids).loss
             engine.backward(loss)
             grads = param_grads(engine.module)
             engine.step()
