@@ -12,8 +12,12 @@ of all arms must agree.
 The op-level gate times the attention forward kernel at the model's shapes: the most the stash can save per stashed
 layer and micro-batch. The table printed last is what a reviewer pastes into a pull request.
 
+With --compile the model runs under torch.compile, as one pair of arms: non-reentrant recompute against the stash on
+every attention layer, whose compiled graph saves the SDPA kernel's outputs instead of recomputing them.
+
     python tests/benchmarks/attention_stash_bench.py                       # CPU default, a few minutes on 2 cores
     python tests/benchmarks/attention_stash_bench.py --preset qwen3-30b-a3b # one GPU, Qwen3-30B-A3B attention shapes
+    python tests/benchmarks/attention_stash_bench.py --compile             # compiled: aot_eager, or inductor on a GPU
 """
 
 import argparse
@@ -143,6 +147,13 @@ def parse_args(argv=None):
                         action="store_true",
                         help="under torchrun with N ranks: DeepSpeed's Ulysses sequence parallelism (ALST) over them, "
                         "each rank training 1/N of each sequence; sweeps --sequence (plain against the stash)")
+    parser.add_argument("--compile",
+                        nargs="?",
+                        const="",
+                        metavar="BACKEND",
+                        help="run the model compiled (torch.compile through the engine, dynamic=False): non-reentrant "
+                        "recompute against the stash on every attention layer, both compiled; BACKEND defaults to "
+                        f"{_COMPILE_BACKENDS['cuda']} on cuda and {_COMPILE_BACKENDS['cpu']} on cpu")
     parser.add_argument("--json", metavar="PATH", help="write the numbers as JSON")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG of step time and peak memory (needs matplotlib)")
     args = parser.parse_args(argv)
@@ -153,6 +164,17 @@ def parse_args(argv=None):
     settings["sequences"] = args.sequence or [settings["sequence"]]
     settings["sequence"] = settings["sequences"][0]
     settings["top_k"] = min(settings["top_k"], settings["experts"])
+    settings["compile"] = None
+    if args.compile is not None:
+        settings["compile"] = args.compile or _COMPILE_BACKENDS[settings["device"]]
+        # The first step of each compiled run compiles, the second measures memory: neither is timed.
+        if args.warmup is not None and args.warmup < 2:
+            parser.error("--compile needs at least 2 warm-up steps: the first compiles, the second measures memory")
+        settings["warmup"] = max(settings["warmup"], 2)
+        if args.sequence_parallel or args.autoep:
+            parser.error("--compile takes no --sequence-parallel and no --autoep: the stash's compiled path serves "
+                         "sdpa layers (not ALST's), and AutoEP needs transformers <= 5.22, whose Qwen3-MoE block "
+                         "breaks dynamo's graph inside the checkpointed layer")
     if attention_layers(settings) < 2 or settings["steps"] < 1 or settings["warmup"] < 1:
         parser.error("needs at least 2 attention layers, 1 warm-up step and 1 timed step")
     if not 0.0 <= args.pad_fraction < 1.0:
@@ -167,6 +189,11 @@ def parse_args(argv=None):
         if any(sequence % settings["sequence_parallel"] for sequence in settings["sequences"]):
             parser.error(f"--sequence-parallel needs sequences divisible by the {settings['sequence_parallel']} ranks")
     return args, settings
+
+
+# torch.compile's backend for --compile without one: Inductor on a GPU; on a CPU AOTAutograd running its graphs
+# eagerly, which compiles in seconds (Inductor's C++ takes minutes on 2 cores) and partitions by the same policies.
+_COMPILE_BACKENDS = {"cuda": "inductor", "cpu": "aot_eager"}
 
 
 def _lengths(text):
@@ -231,6 +258,9 @@ def build_model(settings):
                   num_experts_per_tok=settings["top_k"],
                   max_position_embeddings=settings["sequence"],
                   attn_implementation="sdpa")
+    if settings.get("compile"):
+        # Else Hugging Face's warning that checkpointing turns the cache off (a logger call) breaks dynamo's graph.
+        shared["use_cache"] = False
     if settings.get("model") == "qwen3_next":
         pattern = ["linear_attention"] * _LINEAR_PER_FULL + ["full_attention"]
         model_class = transformers.Qwen3NextForCausalLM
@@ -272,11 +302,12 @@ def _save_sdpa_outputs_policy():
     return policy
 
 
-def set_checkpointing(model, kind):
-    """Per-layer checkpointing: reentrant for the stash and plain arms, non-reentrant for the others."""
+def set_checkpointing(model, kind, compiled=False):
+    """Per-layer checkpointing: reentrant for the stash and plain arms, non-reentrant for the others; non-reentrant for
+    every arm ``compiled`` (dynamo traces every checkpoint as non-reentrant; the stash refuses reentrant ones)."""
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-    kwargs = {"use_reentrant": kind in ("plain", "stash")}
+    kwargs = {"use_reentrant": kind in ("plain", "stash") and not compiled}
     if kind == "selective":
         kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _save_sdpa_outputs_policy())
     # transformers 5.23 renamed gradient_checkpointing_enable, keeping the old name as a deprecated alias.
@@ -443,48 +474,72 @@ def shard_batches(batches, rank, ranks):
     return shards
 
 
+def _compiling(settings):
+    """Where the arms run compiled: dynamo traces the layers' checkpoints although kernels >= 0.18's wrapper of Hugging
+    Face's attention forward sets a context variable inside them, which the recompute may skip (it leaves nothing)."""
+    if not settings.get("compile"):
+        return contextlib.nullcontext()
+    return torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)
+
+
 def run_arm(engine, initial, batches, settings, arm):
     from deepspeed.runtime.activation_checkpointing.attention_stash import install_attention_stash
 
-    device = settings["device"]
+    device, compiled = settings["device"], settings.get("compile")
     model = engine.module
     engine.module.load_state_dict(initial["module"])
     engine.optimizer.load_state_dict(copy.deepcopy(initial["optimizer"]))
-    set_checkpointing(model, arm["kind"])
+    set_checkpointing(model, arm["kind"], compiled)
     handle = install_attention_stash(model, arm["stashed"]) if arm["stashed"] else None
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    times, losses, peak_live, peak_rss, kept = [], [], None, None, 0
+    if compiled:
+        # Each compiled run compiles its own graphs in its first step, with its stash installed before.
+        torch._dynamo.reset()
+    # The step that measures memory: the first, or compiled the second, after the compile.
+    measured = 1 if compiled else 0
+    times, losses, peak_live, peak_rss, kept, compiled_layers = [], [], None, None, 0, []
     try:
-        for index, batch in enumerate(batches):
-            # On CPU the first, untimed step measures memory: live tensor bytes and the process's resident set.
-            measure = device == "cpu" and index == 0
-            live, rss = (_LiveTensorBytes(), _PeakRss()) if measure else (contextlib.nullcontext(), ) * 2
-            _synchronize(device)
-            start = time.perf_counter()
-            with rss, live:
-                loss = forward_loss(engine, batch)
-                engine.backward(loss)
-                engine.step()
-            _synchronize(device)
-            elapsed = (time.perf_counter() - start) * 1e3
-            losses.append(loss.item())
-            if measure:
-                peak_live, peak_rss = live.peak, rss.peak
-            if index >= settings["warmup"]:
-                times.append(elapsed)
-            if handle is not None and handle.num_kept:
-                raise RuntimeError(f"{handle.num_kept} stashed outputs left after the backward")
-        if handle is not None and handle.recomputes_served != arm["stashed"] * len(batches):
-            # A silent fallback would time plain recompute under the stash's name.
+        with _compiling(settings):
+            for index, batch in enumerate(batches):
+                if device == "cuda" and index == measured:
+                    torch.cuda.reset_peak_memory_stats()
+                # On CPU an untimed step measures memory: live tensor bytes and the process's resident set. Not live
+                # bytes compiled: under their dispatch mode dynamo would run the frames eagerly.
+                measure = device == "cpu" and index == measured
+                live = _LiveTensorBytes() if measure and not compiled else contextlib.nullcontext()
+                rss = _PeakRss() if measure else contextlib.nullcontext()
+                _synchronize(device)
+                start = time.perf_counter()
+                with rss, live:
+                    loss = forward_loss(engine, batch)
+                    engine.backward(loss)
+                    engine.step()
+                _synchronize(device)
+                elapsed = (time.perf_counter() - start) * 1e3
+                losses.append(loss.item())
+                if measure:
+                    peak_live, peak_rss = getattr(live, "peak", None), rss.peak
+                if index >= settings["warmup"]:
+                    times.append(elapsed)
+                if handle is not None and handle.num_kept:
+                    raise RuntimeError(f"{handle.num_kept} stashed outputs left after the backward")
+        # A silent fallback would time plain recompute under the stash's name. Compiled, the stash counts no
+        # recompute: its proof is the layers whose compiled checkpoint saved the attention kernel's outputs.
+        compiled_layers = list(handle.compiled_layers) if handle is not None else []
+        if handle is not None and compiled and tuple(compiled_layers) != handle.layers:
+            raise RuntimeError(f"attention_stash_bench needs the compiled graph to save the attention of every "
+                               f"stashed layer of {arm['label']}, got {len(compiled_layers)} of {len(handle.layers)}.")
+        if handle is not None and not compiled and handle.recomputes_served != arm["stashed"] * len(batches):
             raise RuntimeError(f"attention_stash_bench needs the stash to serve every recompute of {arm['label']}, "
                                f"got {handle.recomputes_served} of {arm['stashed']} layers x {len(batches)} steps.")
         kept = handle.peak_kept_bytes if handle is not None else 0
     finally:
         if handle is not None:
             handle.remove()
+        if compiled:
+            torch._dynamo.reset()
     return {
         "recomputes_served": handle.recomputes_served if handle is not None else 0,
+        "compiled_layers": compiled_layers,
         "times_ms": times,
         "median_ms": statistics.median(times),
         "losses": losses,
@@ -587,6 +642,8 @@ def summarize(settings, arms, runs, attention_ms):
             max(run["kept_bytes"] for run in results),
             "recomputes_served":
             sum(run["recomputes_served"] for run in results),
+            # Compiled, each run's layers whose graph saved the attention kernel's outputs.
+            "compiled_layers": [run.get("compiled_layers", []) for run in results],
             "steps_run":
             sum(len(run["losses"]) for run in results),
             "losses": [run["losses"] for run in results],
@@ -627,9 +684,11 @@ def summarize(settings, arms, runs, attention_ms):
     return by_arm, repeat_noise, cross_arm
 
 
-def _memory_columns(device):
-    if device == "cuda":
+def _memory_columns(settings):
+    if settings["device"] == "cuda":
         return [("peak alloc", "peak_allocated_bytes")]
+    if settings.get("compile"):
+        return [("peak RSS", "peak_rss_bytes")]
     return [("peak live", "peak_live_bytes"), ("peak RSS", "peak_rss_bytes")]
 
 
@@ -646,7 +705,7 @@ def _mib_change(comparison):
 
 def comparisons(settings, by_arm):
     """The arm comparisons the table prints below the per-layer savings, each with its noise and verdict."""
-    memory_label, memory_key = _memory_columns(settings["device"])[0]
+    memory_label, memory_key = _memory_columns(settings)[0]
     kinds = {row["kind"]: row for row in by_arm if row["kind"] != "stash"}
     stashed = [row for row in by_arm if row["kind"] == "stash"]
     lines = []
@@ -675,7 +734,7 @@ def comparisons(settings, by_arm):
 
 def format_table(settings, by_arm, attention_ms, backend, predicted_bytes, repeat_noise, cross_arm):
     device = settings["device"]
-    columns = _memory_columns(device)
+    columns, compiled = _memory_columns(settings), settings.get("compile")
     header = (f"{'arm':<24}{'stashed':>6}  {'fwd / rev sweep (ms)':<22}{'median (ms)':>12}{'IQR (ms)':>20}"
               f"{'vs plain (± noise)':>30}" + "".join(f"{label:>15}" for label, _ in columns) + f"{'kept/layer':>14}")
     lines = [header, "-" * len(header)]
@@ -684,7 +743,8 @@ def format_table(settings, by_arm, attention_ms, backend, predicted_bytes, repea
         return "-" if value is None else f"{value / 2**20:,.1f} MiB"
 
     for row in by_arm:
-        kept = f"{row['kept_per_layer_bytes'] / 2**20:.2f} MiB" if row["kind"] in STASH_KINDS else "-"
+        # Compiled, the graph keeps the attention outputs, the stash nothing.
+        kept = "-" if row["kind"] not in STASH_KINDS or compiled else f"{row['kept_per_layer_bytes'] / 2**20:.2f} MiB"
         quartiles = " - ".join(f"{q:,.1f}" for q in row["quartiles_ms"])
         if row["kind"] == "plain":
             vs_plain = "-"
@@ -718,17 +778,26 @@ def format_table(settings, by_arm, attention_ms, backend, predicted_bytes, repea
                            f"({attention_ms:.2f} ms); time longer sequences or more steps, on an idle machine")
             else:
                 verdict = f"{row['saved_fraction_of_attention']:.0%} of the attention forward"
-            lines.append(f"saved per stashed layer and micro-batch, {row['label']}: {saved} = {verdict}; "
-                         f"kept {row['kept_per_layer_bytes']:,.0f} B per layer against the planner's "
-                         f"{predicted_bytes:,} B (output + FP32 LSE), "
-                         f"{row['kept_per_layer_bytes'] / predicted_bytes - 1:+.2%}; recomputes served "
-                         f"{row['recomputes_served']:,} = {row['stashed']} layers x {row['steps_run']} steps")
+            if compiled:
+                # The compiled graph keeps the attention outputs; the stash keeps nothing itself, counts no recompute.
+                served = (f"compiled layers served {' / '.join(str(len(names)) for names in row['compiled_layers'])} "
+                          f"of {row['stashed']} in the {len(row['compiled_layers'])} runs: the compiled graph saves "
+                          f"their attention outputs instead of recomputing them")
+            else:
+                served = (f"kept {row['kept_per_layer_bytes']:,.0f} B per layer against the planner's "
+                          f"{predicted_bytes:,} B (output + FP32 LSE), "
+                          f"{row['kept_per_layer_bytes'] / predicted_bytes - 1:+.2%}; recomputes served "
+                          f"{row['recomputes_served']:,} = {row['stashed']} layers x {row['steps_run']} steps")
+            lines.append(f"saved per stashed layer and micro-batch, {row['label']}: {saved} = {verdict}; {served}")
     for subject, parts in comparisons(settings, by_arm):
         lines.append(f"{subject}: " + ", ".join(f"{name} {text}" for name, text in parts))
     agree = "agree" if cross_arm <= repeat_noise else "DIFFER"
     lines.append(f"losses: largest difference across arms {cross_arm:.3g}, same-arm repeat noise {repeat_noise:.3g}: "
                  f"arms {agree}")
-    if device == "cpu":
+    if device == "cpu" and compiled:
+        lines.append("peak RSS: the process, blurred by the allocator's caching, in each run's untimed second step "
+                     "(the first compiles); peak live is not measured compiled: its dispatch mode runs frames eagerly")
+    elif device == "cpu":
         lines.append("peak live: tensor storage created during a step and alive at once; peak RSS: the process, "
                      "blurred by the allocator's caching; both in each run's untimed first step")
     return "\n".join(lines)
@@ -754,10 +823,12 @@ def plot(path, settings, by_arm):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    memory_label, memory_key = _memory_columns(settings["device"])[0]
+    memory_label, memory_key = _memory_columns(settings)[0]
     mib = 2**20
     figure, (time_axis, memory_axis) = plt.subplots(1, 2, figsize=(11, 4.5))
-    series = [("reentrant: plain recompute, stash", ("plain", "stash"), "C0", 0.0),
+    first = (f"compiled ({settings['compile']}), non-reentrant: recompute, stash"
+             if settings.get("compile") else "reentrant: plain recompute, stash")
+    series = [(first, ("plain", "stash"), "C0", 0.0),
               ("non-reentrant: recompute, stash", ("non_reentrant", "stash_nr"), "C1",
                0.06 * attention_layers(settings))]
     unresolved_label = "saving per layer UNRESOLVED or NOISY"
@@ -825,6 +896,9 @@ def make_engine(deepspeed, settings, config, mpu=None):
     """The model in a DeepSpeed engine, and its weights and optimizer state to start every run from."""
     model = build_model(settings)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config, mpu=mpu)
+    if settings.get("compile"):
+        # The engine compiles the module it wraps in place; each run's first step traces it, stash installed.
+        engine.compile(backend=settings["compile"], compile_kwargs={"dynamic": False})
     initial = {
         "module": {
             name: tensor.detach().clone()
@@ -871,6 +945,7 @@ def sweep_row(settings, runs, arms, attention):
         "noise_per_layer_ms": stash["noise_per_layer_ms"],
         "kept_per_layer_bytes": stash["kept_per_layer_bytes"],
         "recomputes_served": stash["recomputes_served"],
+        "compiled_layers": stash["compiled_layers"],
         "steps_run": stash["steps_run"],
         "losses_agree": cross_arm == 0,
     }
@@ -892,6 +967,8 @@ def format_sweep(settings, rows, target):
         planner = row.get("planner_bytes")
         kept = f"{row['kept_per_layer_bytes'] / 2**20:,.2f} MiB" + (
             f" {row['kept_per_layer_bytes'] / planner - 1:+.2%}" if planner else "")
+        if settings.get("compile"):
+            kept = "in the compiled graph"
         lines.append(f"{row['sequence']:>9,}{row['plain_ms']:>13,.1f}{row['stash_ms']:>13,.1f}"
                      f"{row['attention_forward_ms']:>15,.2f}{share:>28}{saving:>32}{ratio:>34}{saved:>20}{kept:>30}")
     lines.append("")
@@ -902,6 +979,9 @@ def format_sweep(settings, rows, target):
                  "what those forwards allow NOISY: not a result. "
                  "saved/layer: per stashed layer and micro-batch, ± the step noise per layer; kept/layer: the "
                  "stash's peak per layer, against the planner's attention_stash_layer_bytes.")
+    if settings.get("compile"):
+        lines.append("compiled: the graph keeps the stashed layers' attention outputs, the stash nothing; every "
+                     "stashed layer's compiled checkpoint saved them in every run.")
     # The target is judged by the same rule: a ratio below it by less than its noise is not a miss, but unresolved.
     resolved = [row for row in rows if row["saving_over_share_verdict"] is None]
     met = [row["sequence"] for row in resolved if row["saving_over_share"] >= target]
@@ -1000,8 +1080,10 @@ def sweep(args, settings, deepspeed, config, started):
         batches = make_batches(at, at["warmup"] + at["steps"])
         if ranks > 1:
             batches = shard_batches(batches, rank, ranks)
-        for arm in arms:
-            run_arm(engine, initial, batches[:1], {**at, "warmup": 0}, arm)
+        # Compiled, each run's own first steps compile and warm up.
+        if not at["compile"]:
+            for arm in arms:
+                run_arm(engine, initial, batches[:1], {**at, "warmup": 0}, arm)
         runs = [(arm["label"], run_arm(engine, initial, batches, at, arm)) for arm in arms + arms[::-1]]
         row = sweep_row(at, runs, arms, attention_forward_ms({**at, **gate}, batches[0].get("attention_mask")))
         row["planner_bytes"] = attention_stash_layer_bytes(engine.module,
@@ -1031,14 +1113,22 @@ def sweep(args, settings, deepspeed, config, started):
                 f"{settings['heads']} query heads over the whole sequence)" if ranks > 1 else "")
     print()
     print(f"attention stash sweep: {settings['layers']} layers ({full} with softmax attention), micro-batch "
-          f"{settings['micro_batch']}, {settings['dtype']} on {settings['device']}{parallel}, {settings['steps']} "
-          f"timed step{'s' * (settings['steps'] != 1)} after {settings['warmup']} per run, two runs per arm; torch "
-          f"{torch.__version__}, "
+          f"{settings['micro_batch']}, {settings['dtype']} on {settings['device']}{parallel}"
+          f"{_compiled_title(settings)}, {settings['steps']} timed step{'s' * (settings['steps'] != 1)} after "
+          f"{settings['warmup']} per run, two runs per arm; torch {torch.__version__}, "
           f"transformers {transformers.__version__}, deepspeed {deepspeed.__version__}")
     print(format_sweep(settings, rows, SWEEP_TARGET))
     print(f"wall time: {int(wall_s // 60)} min {int(wall_s % 60):02d} s ({wall_s:.1f} s), from the start to the "
           f"table, for {len(rows)} length{'s' * (len(rows) != 1)}")
     return rows
+
+
+def _compiled_title(settings):
+    """What the table's title says of a compiled run."""
+    if not settings.get("compile"):
+        return ""
+    return (f", compiled (torch.compile, backend {settings['compile']}, dynamic=False, non-reentrant checkpointing; "
+            f"each run's first step compiles)")
 
 
 def main(argv=None):
@@ -1086,16 +1176,30 @@ def main(argv=None):
         dict(label=f"stash {half} layers", kind="stash", stashed=half),
         dict(label=f"stash {full} layers", kind="stash", stashed=full),
     ]
-    if not args.no_sac:
+    if settings["compile"]:
+        # The pair of plain and stash kinds, each run non-reentrant and compiled.
+        arms = [
+            dict(label="compiled recompute", kind="plain", stashed=0),
+            dict(label=f"compiled stash {full} layers", kind="stash", stashed=full)
+        ]
+        print(
+            f"--compile ({settings['compile']}): non-reentrant recompute against the stash on all {full} attention "
+            f"layers. Left out: the reentrant arms (dynamo traces every checkpoint as non-reentrant; the stash "
+            f"refuses reentrant checkpointing compiled), the half-stashed arm (every compiled run compiles anew) and "
+            f"selective AC (SDPA), whose policy the stash's compiled checkpoint applies: saving the SDPA outputs.",
+            flush=True)
+    elif not args.no_sac:
         # Selective checkpointing builds on non-reentrant checkpointing; its plain form is the control that separates
         # what saving the SDPA outputs costs from what the other checkpoint implementation costs.
         arms.append(dict(label="non-reentrant recompute", kind="non_reentrant", stashed=0))
         arms.append(dict(label=f"stash {full}, non-reentrant", kind="stash_nr", stashed=full))
         arms.append(dict(label="selective AC (SDPA)", kind="selective", stashed=0))
     # A global warm-up, untimed: first-use costs (allocator growth, kernel and library initialization) would otherwise
-    # land on the first arm, the plain one. One step of each checkpointing kind.
-    for arm in {arm["kind"]: arm for arm in arms}.values():
-        run_arm(engine, initial, batches[:1], {**settings, "warmup": 0}, arm)
+    # land on the first arm, the plain one. One step of each checkpointing kind. Compiled, each run's own first steps
+    # compile and warm up.
+    if not settings["compile"]:
+        for arm in {arm["kind"]: arm for arm in arms}.values():
+            run_arm(engine, initial, batches[:1], {**settings, "warmup": 0}, arm)
     order = arms + arms[::-1]
     runs = []
     for index, arm in enumerate(order, 1):
@@ -1158,13 +1262,14 @@ def main(argv=None):
                               if settings.get("model") == "qwen3_next" else f"{settings['layers']} layers")
     print(f"attention stash benchmark: {shape}, {settings['experts']} experts "
           f"(top {settings['top_k']}), sequence {settings['sequence']}, micro-batch {settings['micro_batch']}, "
-          f"{settings['dtype']} on {settings['device']}, {padding}{settings['steps']} timed steps after "
-          f"{settings['warmup']} per run{', AutoEP' if args.autoep else ''}; torch {torch.__version__}, "
-          f"transformers {transformers.__version__}, deepspeed {deepspeed.__version__}")
+          f"{settings['dtype']} on {settings['device']}{_compiled_title(settings)}, {padding}{settings['steps']} "
+          f"timed steps after {settings['warmup']} per run{', AutoEP' if args.autoep else ''}; "
+          f"torch {torch.__version__}, transformers {transformers.__version__}, deepspeed {deepspeed.__version__}")
     print(format_table(settings, by_arm, attention_ms, backend, predicted_bytes, repeat_noise, cross_arm))
     print(
         f"wall time: {int(wall_s // 60)} min {int(wall_s % 60):02d} s ({wall_s:.1f} s), from the start to the table, "
-        f"for {len(order)} runs of {settings['warmup'] + settings['steps']} steps after a warm-up of each mode")
+        f"for {len(order)} runs of {settings['warmup'] + settings['steps']} steps" +
+        (", each compiling in its first" if settings["compile"] else " after a warm-up of each mode"))
 
 
 if __name__ == "__main__":

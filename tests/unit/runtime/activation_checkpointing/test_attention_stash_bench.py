@@ -13,6 +13,7 @@ import sys
 import time
 
 import pytest
+import torch
 from deepspeed.accelerator import get_accelerator
 
 from attention_stash_helpers import run_on_two_ranks
@@ -134,6 +135,85 @@ def test_bench_fails_a_stash_that_does_not_serve(bench, monkeypatch):
                        match=r"attention_stash_bench needs the stash to serve every recompute of stash \d layers, "
                        r"got 0 of \d layers"):
         bench.main(["--layers", "2", "--sequence", "64", "--steps", "1", "--experts", "2", "--no-sac"])
+
+
+@on_cpu_accelerator
+def test_bench_compiled_arms_serve_and_agree(bench, tmp_path, capsys, monkeypatch):
+    """--compile: compiled non-reentrant recompute against the stash on both layers (aot_eager on CPU). Each run
+    compiles in its first step, untimed like the second, which measures memory; every stashed layer's compiled graph
+    saves its attention outputs, and the two arms' losses are bitwise equal: the same aten ops run, the stash's graph
+    saves the attention kernel's outputs where the other recomputes them."""
+    path, runs, graphs_at_step = tmp_path / "bench.json", [], []
+
+    def recorded_run(*args, **kwargs):
+        runs.append(run_arm(*args, **kwargs))
+        return runs[-1]
+
+    def counted_loss(*args, **kwargs):
+        graphs_at_step.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+        return forward_loss(*args, **kwargs)
+
+    run_arm, forward_loss = bench.run_arm, bench.forward_loss
+    monkeypatch.setattr(bench, "run_arm", recorded_run)
+    monkeypatch.setattr(bench, "forward_loss", counted_loss)
+    bench.main([
+        "--compile", "--layers", "2", "--sequence", "64", "--steps", "1", "--experts", "2", "--json",
+        str(path), "--plot",
+        str(tmp_path / "bench.png")
+    ])
+    graphs_at_step.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    result = json.loads(path.read_text())
+    assert result["settings"]["compile"] == "aot_eager" and result["settings"]["warmup"] == 2
+    arms = {arm["label"]: arm for arm in result["arms"]}
+    assert list(arms) == ["compiled recompute", "compiled stash 2 layers"]
+    stash = arms["compiled stash 2 layers"]
+    # Both runs' graphs saved both layers' attention; the stash itself kept and served nothing.
+    assert stash["compiled_layers"] == [["model.layers.0", "model.layers.1"]] * 2
+    assert stash["recomputes_served"] == 0 and stash["kept_bytes"] == 0
+    assert arms["compiled recompute"]["compiled_layers"] == [[], []]
+    assert result["loss_cross_arm"] == 0 and result["loss_repeat_noise"] == 0
+    # No global warm-up: four runs of 2 untimed steps and 1 timed one, dynamo compiling in each run's first step alone
+    # (the graphs it compiled so far, before each step and after the last).
+    assert [(len(run["losses"]), len(run["times_ms"])) for run in runs] == [(3, 1)] * 4
+    for run in range(4):
+        before, *after = graphs_at_step[3 * run:3 * run + 4]
+        assert before < after[0] == after[1] == after[2], graphs_at_step
+    assert (tmp_path / "bench.png").stat().st_size > 0
+    out = capsys.readouterr().out
+    assert "Left out: the reentrant arms" in out and "selective AC (SDPA)," in out
+    title, header, _, *rows = out.rsplit("\n\n", 3)[-3].splitlines()
+    assert (", float32 on cpu, compiled (torch.compile, backend aot_eager, dynamic=False, non-reentrant checkpointing"
+            in title)
+    assert "peak RSS" in header and "peak live" not in header and len(rows) == 2
+    assert "compiled layers served 2 / 2 of 2" in out and "arms agree" in out
+
+
+@on_cpu_accelerator
+def test_bench_fails_a_compiled_stash_that_does_not_serve(bench, monkeypatch):
+    """A compiled stash whose policy recomputes the attention kernel would time compiled recompute under its name: the
+    run stops."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from deepspeed.runtime.activation_checkpointing import attention_stash
+
+    def recompute_everything(stash, ops, user_policy, ctx, op, *args, **kwargs):
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    monkeypatch.setattr(attention_stash, "_compiled_policy", recompute_everything)
+    with pytest.raises(RuntimeError,
+                       match=r"attention_stash_bench needs the compiled graph to save the attention of every stashed "
+                       r"layer of compiled stash 2 layers, got 0 of 2\."):
+        bench.main(["--compile", "--layers", "2", "--sequence", "64", "--steps", "1", "--experts", "2"])
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--warmup", "1"], "--compile needs at least 2 warm-up steps: the first compiles, the second measures memory"),
+    (["--autoep"], "--compile takes no --sequence-parallel and no --autoep"),
+])
+def test_bench_refuses_what_it_cannot_run_compiled(bench, capsys, options, message):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--compile", *options])
+    assert message in capsys.readouterr().err
 
 
 def _fake_runs(bench, device, saved_ms, spread_ms=1.0):
