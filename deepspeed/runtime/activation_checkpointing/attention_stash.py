@@ -2143,8 +2143,9 @@ def install_attention_stash(model: torch.nn.Module,
     the whole sequence: costs are one rank's, over ``sequence_parallel_size`` ranks where given, else the
     registration's found at the install.
 
-    Under ``torch.compile`` (non-reentrant checkpointing, sdpa layers) a stashed layer's checkpoint gets a
-    selective-checkpointing policy that saves the kernel's outputs instead; ``handle.compiled_layers`` names them.
+    Under ``torch.compile`` (non-reentrant checkpointing; sdpa, flash-attn 2, or a Hub build whose kernels are custom
+    ops) a stashed layer's checkpoint gets a selective-checkpointing policy that saves the kernel's outputs instead;
+    ``handle.compiled_layers`` names them.
     Forwards without a backward run stock attention and keep nothing. What the stash cannot serve raises an
     ``AttentionStashError`` naming the cause and the fix, never falling back: attention dropout, a ``torch.func``
     transform, an SDPA backend without an exact replay, a recompute unlike its forward, among others.
