@@ -429,7 +429,7 @@ def test_the_trainer_with_torch_compile_saves_the_stashed_layers_attention(insta
     assert handle.compiled_layers == handle.layers and handle.recomputes_served == 0
 
 
-def test_an_inductor_step_saves_the_stashed_layers_attention(install):
+def test_an_inductor_step_saves_the_stashed_layers_attention(install, monkeypatch):
     """Inductor (its C++ kernels on CPU), compiled plain against compiled stashed: the stashed layers' attention
     forward leaves the backward graph Inductor compiles, and loss and gradients agree within float32 rounding: the two
     partitions save different tensors, so Inductor may fuse and order the surrounding arithmetic differently."""
@@ -443,6 +443,10 @@ def test_an_inductor_step_saves_the_stashed_layers_attention(install):
             return compile_fx_inner(graph, inputs, **kwargs)
 
         return graphs, lambda graph, inputs: compile_fx(graph, inputs, inner_compile=inner)
+
+    # Inductor's caches would hand back graphs compiled by an earlier run, without calling the inner compile.
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
 
     def step(model):
         graphs, backend = inductor()
