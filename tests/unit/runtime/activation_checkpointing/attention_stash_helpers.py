@@ -377,3 +377,25 @@ def attention_forwards(graphs, op=CPU_FLASH.default):
     }
     return sum(1 for graph in graphs for node in graph.graph.nodes
                if node.target is op or (node.target in wrappers and op in node.args))
+
+
+def deepspeed_config(stage=0, bf16=False, accumulation=1, **extra):
+    """A DeepSpeed config for the CPU tests: AdamW (torch's), ZeRO ``stage``, micro-batch 2."""
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": accumulation,
+        "optimizer": {
+            "type": "AdamW",
+            "params": {
+                "lr": 1e-2,
+                "torch_adam": True
+            }
+        },
+        "zero_optimization": {
+            "stage": stage
+        },
+        **extra,
+    }
+    if bf16:
+        config["bf16"] = {"enabled": True}
+    return config

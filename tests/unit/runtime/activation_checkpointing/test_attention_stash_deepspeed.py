@@ -18,7 +18,7 @@ import transformers
 
 from deepspeed.runtime.activation_checkpointing.attention_stash import AttentionStashError, install_attention_stash
 
-from attention_stash_helpers import (CPU_FORWARD, NUM_LAYERS, CountOps, assert_same_grads,
+from attention_stash_helpers import (CPU_FORWARD, NUM_LAYERS, CountOps, assert_same_grads, deepspeed_config,
                                      assert_stashed_step_is_stock, batch_ids, checkpointed, free_port, mixtral_model,
                                      param_grads, qwen3_moe_model, run_on_two_ranks)
 
@@ -32,27 +32,6 @@ requires_autoep = pytest.mark.skipif(
     AUTOEP_BROKEN,
     reason="DeepSpeed 0.19.8's AutoEP fails in deepspeed.initialize with transformers "
     ">= 5.23 (_CanRecordRegistry.get() TypeError); CI runs these under 5.22.2")
-
-
-def _config(stage=0, bf16=False, accumulation=1, **extra):
-    config = {
-        "train_micro_batch_size_per_gpu": 2,
-        "gradient_accumulation_steps": accumulation,
-        "optimizer": {
-            "type": "AdamW",
-            "params": {
-                "lr": 1e-2,
-                "torch_adam": True
-            }
-        },
-        "zero_optimization": {
-            "stage": stage
-        },
-        **extra,
-    }
-    if bf16:
-        config["bf16"] = {"enabled": True}
-    return config
 
 
 def _full_params(engine):
@@ -101,7 +80,7 @@ def _assert_same_training(got, expected):
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_zero_stages(stage, bf16):
-    config = _config(stage, bf16)
+    config = deepspeed_config(stage, bf16)
     expected = _train(mixtral_model, config, 0)
     _assert_same_training(_train(mixtral_model, config, NUM_LAYERS), expected)
     # The losses must move, or equal losses would prove nothing about the steps.
@@ -112,7 +91,7 @@ def test_zero_stages(stage, bf16):
 def test_zero3_with_non_reentrant_checkpointing(bf16):
     """transformers' default checkpointing, served with PyTorch's own attention node in the graph, under ZeRO-3
     (whose hooks gather each layer's parameters in the recompute too)."""
-    config = _config(3, bf16)
+    config = deepspeed_config(3, bf16)
     expected = _train(qwen3_moe_model, config, 0, use_reentrant=False)
     _assert_same_training(_train(qwen3_moe_model, config, NUM_LAYERS, use_reentrant=False), expected)
     _assert_same_training(_train(qwen3_moe_model, config, NUM_LAYERS, install_after=True, use_reentrant=False),
@@ -131,7 +110,7 @@ def test_gradient_accumulation_with_micro_batches_in_flight():
         handle = install_attention_stash(model, stashed) if stashed else None
         engine, *_ = deepspeed.initialize(model=model,
                                           model_parameters=model.parameters(),
-                                          config=_config(accumulation=accumulation))
+                                          config=deepspeed_config(accumulation=accumulation))
         losses = []
         try:
             for step in range(2):
@@ -180,7 +159,7 @@ def test_forward_that_raises_partway_keeps_nothing():
 @pytest.mark.parametrize("model_name", ["mixtral", "qwen3_moe"])
 def test_autoep_before_or_after_initialize(model_name):
     make_model = {"mixtral": mixtral_model, "qwen3_moe": qwen3_moe_model}[model_name]
-    config = _config(expert_parallel={"enabled": True, "autoep_size": 1, "preset_model": model_name})
+    config = deepspeed_config(expert_parallel={"enabled": True, "autoep_size": 1, "preset_model": model_name})
     expected = _train(make_model, config, 0)
     _assert_same_training(_train(make_model, config, NUM_LAYERS), expected)
     _assert_same_training(_train(make_model, config, NUM_LAYERS, install_after=True), expected)
@@ -217,7 +196,7 @@ def test_hugging_face_trainer_enables_checkpointing_after_install(tmp_path, reen
             return {"input_ids": ids, "labels": ids}
 
     steps = 2
-    config = _config()
+    config = deepspeed_config()
     config["optimizer"]["params"]["lr"] = "auto"
 
     def train(stashed):

@@ -12,8 +12,8 @@ import os
 import pytest
 import torch
 
-from attention_stash_helpers import (NUM_LAYERS, Graphs, attention_forwards, batch_ids, checkpointed, free_port,
-                                     llama_model, param_grads)
+from attention_stash_helpers import (NUM_LAYERS, Graphs, attention_forwards, batch_ids, checkpointed, deepspeed_config,
+                                     free_port, llama_model, param_grads)
 
 from deepspeed.runtime.activation_checkpointing.attention_stash import AttentionStashError
 
@@ -34,22 +34,7 @@ def _engine_steps(install, stage, stashed, backend, deepcompile=False, steps=2):
     gradients, the handle (None unstashed) and the engine."""
     import deepspeed
 
-    config = {
-        "train_micro_batch_size_per_gpu": 2,
-        "optimizer": {
-            "type": "AdamW",
-            "params": {
-                "lr": 1e-2,
-                "torch_adam": True
-            }
-        },
-        "zero_optimization": {
-            "stage": stage
-        },
-        "compile": {
-            "deepcompile": deepcompile
-        },
-    }
+    config = deepspeed_config(stage, compile={"deepcompile": deepcompile})
     model = checkpointed(llama_model(), use_reentrant=False)
     handle = install(model, NUM_LAYERS) if stashed else None
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
