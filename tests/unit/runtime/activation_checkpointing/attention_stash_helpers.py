@@ -15,6 +15,7 @@ import types
 from collections import Counter
 
 import torch
+import transformers
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
@@ -22,6 +23,8 @@ from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralF
                           MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 NUM_LAYERS = 3
+# transformers >= 5.23 checkpoints a decoder layer's forward; up to 5.22 its __call__, hooks inside.
+FORWARD_LAYOUT = hasattr(transformers.PreTrainedModel, "activation_checkpointing_enable")
 STOCK_SDPA = ALL_ATTENTION_FUNCTIONS["sdpa"]
 STOCK_FLASH = ALL_ATTENTION_FUNCTIONS["flash_attention_2"]
 CPU_FORWARD = "_scaled_dot_product_flash_attention_for_cpu.default"
@@ -284,8 +287,12 @@ def bare_call(function, implementation="sdpa"):
 
 
 def kept_outputs():
-    """The attention outputs kept now, across all stashes."""
-    return [entry.output for call in live_checkpoint_calls() for entry in call.kept if entry is not None]
+    """The attention outputs kept now, across all stashes, in the order of their layers' names (gc lists objects in no
+    set order); each layer's in the order of its calls."""
+    calls = sorted(live_checkpoint_calls(),
+                   key=lambda call: [(int(part), "") if part.isdigit() else (-1, part)
+                                     for part in call.stash.name.split(".")])
+    return [entry.output for call in calls for entry in call.kept if entry is not None]
 
 
 def assert_stock_process():

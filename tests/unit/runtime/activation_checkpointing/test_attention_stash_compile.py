@@ -23,11 +23,10 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from deepspeed.runtime.activation_checkpointing.attention_stash import (AttentionStashError,
                                                                         attention_stash_layer_bytes)
 
-from attention_stash_helpers import (CPU_FLASH, NUM_LAYERS, Graphs, assert_same_grads, attention_forwards, batch_ids,
-                                     checkpointed, llama_model, param_grads, qwen3_moe_model)
+from attention_stash_helpers import (CPU_FLASH, FORWARD_LAYOUT, NUM_LAYERS, Graphs, assert_same_grads,
+                                     attention_forwards, batch_ids, checkpointed, llama_model, param_grads,
+                                     qwen3_moe_model)
 
-# transformers >= 5.23 checkpoints a decoder layer's forward; up to 5.22 its __call__, hooks inside.
-FORWARD_LAYOUT = hasattr(transformers.PreTrainedModel, "activation_checkpointing_enable")
 FAMILIES = {"llama": llama_model, "qwen3_moe": qwen3_moe_model}
 BATCH, SEQUENCE = 2, 32
 
