@@ -1257,14 +1257,18 @@ def main(argv=None):
                 indent=2)
     print()
     padding = f"rows padded up to {settings['pad_fraction']:.0%}, " if settings["pad_fraction"] else ""
-    shape = ("Qwen3-Next-shaped hybrid, " if settings.get("model") == "qwen3_next" else
-             "Qwen3-MoE ") + (f"{settings['layers']} layers ({attention_layers(settings)} with softmax attention)"
-                              if settings.get("model") == "qwen3_next" else f"{settings['layers']} layers")
-    print(f"attention stash benchmark: {shape}, {settings['experts']} experts "
-          f"(top {settings['top_k']}), sequence {settings['sequence']}, micro-batch {settings['micro_batch']}, "
-          f"{settings['dtype']} on {settings['device']}{_compiled_title(settings)}, {padding}{settings['steps']} "
-          f"timed steps after {settings['warmup']} per run{', AutoEP' if args.autoep else ''}; "
-          f"torch {torch.__version__}, transformers {transformers.__version__}, deepspeed {deepspeed.__version__}")
+    experts = f"{settings['experts']} experts (top {settings['top_k']})"
+    shape = {
+        "qwen3_next":
+        f"Qwen3-Next-shaped hybrid, {settings['layers']} layers ({attention_layers(settings)} with softmax "
+        f"attention), {experts}",
+        "llama": f"Llama {settings['layers']} dense layers",
+    }.get(settings.get("model"), f"Qwen3-MoE {settings['layers']} layers, {experts}")
+    print(
+        f"attention stash benchmark: {shape}, sequence {settings['sequence']}, micro-batch {settings['micro_batch']}, "
+        f"{settings['dtype']} on {settings['device']}{_compiled_title(settings)}, {padding}{settings['steps']} "
+        f"timed steps after {settings['warmup']} per run{', AutoEP' if args.autoep else ''}; "
+        f"torch {torch.__version__}, transformers {transformers.__version__}, deepspeed {deepspeed.__version__}")
     print(format_table(settings, by_arm, attention_ms, backend, predicted_bytes, repeat_noise, cross_arm))
     print(
         f"wall time: {int(wall_s // 60)} min {int(wall_s % 60):02d} s ({wall_s:.1f} s), from the start to the table, "

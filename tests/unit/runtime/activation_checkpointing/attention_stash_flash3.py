@@ -233,9 +233,9 @@ def use_hub_kernel(monkeypatch, tmp_path_factory_or_root, repo_id="kernels-commu
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # read at import; kernels reads this
     # transformers 5.24 asks for kernels >= 0.18.2, < 0.19 (5.22.2: >= 0.17.2, < 0.18), and binds get_kernel_hub only
-    # where that version is installed when it imports. The registry here serves kernels 0.17.2 at most, whose
-    # get_kernel(repo_id, *, revision, version, user_agent, trust_remote_code, ...) takes what transformers passes and
-    # loads LOCAL_KERNELS repositories the same way, so 0.17 is accepted.
+    # where that version is installed when it imports. The tests run on either (requirements-dev.txt): 0.17's
+    # get_kernel(repo_id, *, revision, version, user_agent, trust_remote_code, ...) takes what 5.24 passes and loads
+    # LOCAL_KERNELS repositories as 0.18's does, so the check is relaxed here and get_kernel_hub bound to this one.
     monkeypatch.setattr(hub_kernels, "is_kernels_available", lambda *args, **kwargs: True)
     monkeypatch.setattr(hub_kernels, "get_kernel_hub", kernels.get_kernel, raising=False)
     _clear_lazy_flash(monkeypatch, flash_utils)

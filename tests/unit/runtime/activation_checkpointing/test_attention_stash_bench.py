@@ -75,7 +75,7 @@ def test_bench_arms_agree_and_keep_the_formula(bench, tmp_path, capsys):
     # The two values of each arm's first numbers column are named, and every comparison against plain carries its
     # noise (the plain row itself has none).
     title, header, _, *rows = table[-3].splitlines()
-    assert title.startswith("attention stash benchmark: Qwen3-MoE 2 layers")
+    assert title.startswith("attention stash benchmark: Qwen3-MoE 2 layers, 2 experts (top 2), sequence 64")
     assert "fwd / rev sweep (ms)" in header and "vs plain (± noise)" in header
     assert "fwd / rev sweep: the arm's median step time in the forward sweep" in table[-2]
     assert len(rows) == 6 and all(re.search(r" [+-]\d+\.\d% ± \d+\.\d%", row) for row in rows[1:])
@@ -186,6 +186,8 @@ def test_bench_compiled_arms_serve_and_agree(bench, tmp_path, capsys, monkeypatc
     out = capsys.readouterr().out
     assert "Left out: the reentrant arms" in out and "selective AC (SDPA)," in out
     title, header, _, *rows = out.rsplit("\n\n", 3)[-3].splitlines()
+    model = "Qwen3-MoE 2 layers, 2 experts (top 2)" if FORWARD_LAYOUT else "Llama 2 dense layers"
+    assert title.startswith(f"attention stash benchmark: {model}, sequence 64, micro-batch ")
     assert (", float32 on cpu, compiled (torch.compile, backend aot_eager, dynamic=False, non-reentrant checkpointing"
             in title)
     assert "peak RSS" in header and "peak live" not in header and len(rows) == 2
@@ -207,7 +209,8 @@ def test_bench_fails_a_compiled_stash_that_does_not_serve(bench, monkeypatch):
     with pytest.raises(RuntimeError,
                        match=r"attention_stash_bench needs the compiled graph to save the attention of every stashed "
                        r"layer of compiled stash 2 layers, got 0 of 2\."):
-        bench.main(["--compile", *COMPILED_MODEL, "--layers", "2", "--sequence", "64", "--steps", "1", "--experts", "2"])
+        bench.main(
+            ["--compile", *COMPILED_MODEL, "--layers", "2", "--sequence", "64", "--steps", "1", "--experts", "2"])
 
 
 @pytest.mark.parametrize("options, message", [
