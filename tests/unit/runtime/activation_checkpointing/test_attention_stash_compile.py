@@ -18,14 +18,15 @@ from importlib.metadata import version
 import pytest
 import torch
 import transformers
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from deepspeed.runtime.activation_checkpointing.attention_stash import (AttentionStashError,
                                                                         attention_stash_layer_bytes)
 
 from attention_stash_helpers import (CPU_FLASH, FORWARD_LAYOUT, NUM_LAYERS, Graphs, assert_same_grads,
-                                     attention_forwards, batch_ids, checkpointed, llama_model, param_grads,
-                                     qwen3_moe_model)
+                                     attention_forwards, batch_ids, checkpointed, live_checkpoint_calls, live_tensors,
+                                     llama_model, param_grads, qwen3_moe_model, tensors)
 
 FAMILIES = {"llama": llama_model, "qwen3_moe": qwen3_moe_model}
 BATCH, SEQUENCE = 2, 32
@@ -110,6 +111,33 @@ def test_a_compiled_step_saves_the_stashed_layers_attention(install, family, pad
     extra = output_bytes(graphs.forward) - output_bytes(plain.forward)
     assert 0 < extra <= stashed * attention_stash_layer_bytes(model, BATCH, SEQUENCE)
     assert handle.compiled_layers == handle.layers and handle.recomputes_served == 0 and handle.num_kept == 0
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["plain", "padded"])
+def test_nothing_outlives_a_compiled_step(install, padded):
+    """After each compiled step, its graphs alive, no tensor of the batch's shape is left that was not alive before
+    it (other tests' graphs may hold some): the saved attention outputs die with the backward graph's inputs, and the
+    stash keeps nothing of its own; nor after remove()."""
+
+    def of_the_batch(tensor):  # real tensors of three or more dimensions with one of SEQUENCE (not dynamo's fakes)
+        return tensor.dim() >= 3 and SEQUENCE in tensor.shape and not isinstance(tensor, FakeTensor)
+
+    model = checkpointed(llama_model(), use_reentrant=False)
+    handle = install(model, NUM_LAYERS)
+    batch = inputs(padded)
+    torch._dynamo.reset()
+    before = tensors()
+    compiled = torch.compile(model, backend="aot_eager", dynamic=False)
+    for _ in range(2):
+        loss = compiled(**batch).loss
+        loss.backward()
+        del loss
+        assert live_tensors(before, counted=of_the_batch) == [] and live_checkpoint_calls() == []
+    assert handle.compiled_layers == handle.layers and handle.num_kept == 0 and handle.kept_bytes == 0
+    handle.remove()
+    del compiled, model
+    torch._dynamo.reset()
+    assert live_tensors(before, counted=of_the_batch) == [] and live_checkpoint_calls() == []
 
 
 def test_a_compiled_model_has_no_graph_break_of_the_stashs(install):
