@@ -30,25 +30,22 @@ def install():
 
 
 @pytest.fixture(autouse=True)
-def _restore_logging_tensor_logger():
-    """PyTorch's checkpoint debug mode (debug=True) leaves its "LoggingTensor" logger at INFO and non-propagating.
-    pytest >= 9.1 attaches its log capture to every non-propagating logger at each test's start, and torch < 2.15 logs
-    each op of a debug-mode checkpoint with arguments its message cannot format: the next test with debug=True fails
-    with "TypeError: not all arguments converted during string formatting". Restore the logger after each test."""
+def _restore_what_libraries_leave():
+    """Restores, after each test, what PyTorch and DeepSpeed leave changed for the rest of the process:
+
+    - PyTorch's checkpoint debug mode (debug=True) leaves its "LoggingTensor" logger at INFO and non-propagating.
+      pytest >= 9.1 attaches its log capture to every non-propagating logger at each test's start, and torch < 2.15
+      logs each op of a debug-mode checkpoint with arguments its message cannot format: the next test with
+      debug=True fails with "TypeError: not all arguments converted during string formatting".
+    - DeepSpeed's ZeRO-3 replaces torch.nn.functional.linear with its own autograd Function (zero3_linear_wrap):
+      "This will persist unless manually reset" (deepspeed/runtime/zero/partition_parameters.py). torch.compile then
+      traces that Function in every later model, and its traced tensors outlive each compiled step, with or without
+      the stash (measured: 130 to 146 tensors of the batch's shape after a compiled plain step).
+    """
+    linear = torch.nn.functional.linear
     yield
     logger = logging.getLogger("LoggingTensor")
     logger.propagate = True
     logger.setLevel(logging.NOTSET)
     logger.filters.clear()
-
-
-@pytest.fixture(autouse=True)
-def _restore_torch_linear():
-    """DeepSpeed's ZeRO-3 replaces torch.nn.functional.linear with its own autograd Function (zero3_linear_wrap) for
-    the rest of the process: "This will persist unless manually reset" (deepspeed/runtime/zero/
-    partition_parameters.py). torch.compile then traces that Function in every later model, and its traced tensors
-    outlive each compiled step, with or without the stash (measured: 130 to 146 tensors of the batch's shape after a
-    compiled plain step). Restore the function each test found."""
-    linear = torch.nn.functional.linear
-    yield
     torch.nn.functional.linear = linear
