@@ -6,7 +6,9 @@
 # The attention stash's GPU check: one command on a lent H200 (Python 3.12, torch 2.11 with CUDA 13, transformers 5.17,
 # no DeepSpeed, no network) that, within 10 minutes, installs what it needs offline and writes $OUT/RESULTS.md:
 #   1. the test suite with its GPU tests, under the image's transformers (leg 1) and under transformers 5.24.0 from the
-#      wheel folder (leg 2, run after steps 2 and 3), each test's outcome recorded from pytest's junit XML;
+#      wheel folder (leg 2, run after steps 2 and 3), each test's outcome recorded from pytest's junit XML; among the
+#      GPU tests, a model loaded by from_pretrained at its defaults (use_kernels among them), trained on CUDA with and
+#      without the stash in both checkpoint modes;
 #   2. the benchmark's Qwen3-30B-A3B preset (bf16, sequence 4096, micro-batch 4, 32 query and 4 key/value heads of
 #      dimension 128), all arms, --json and --plot under $OUT;
 #   3. the op-level figures (gpu_op_figures.py): the attention forward per fused backend, the saving per stashed
@@ -133,7 +135,8 @@ else
         --steps 1)
     LONG=(--preset llama-long-cpu --sequence 32,64)
     SUITE=(tests/unit/runtime/activation_checkpointing/test_attention_stash.py
-        -k "replay_matches_autograd or cuda or kept_bytes_are_one_output")
+        tests/unit/runtime/activation_checkpointing/test_attention_stash_from_pretrained.py
+        -k "replay_matches_autograd or cuda or kept_bytes_are_one_output or from_pretrained")
 fi
 
 # --- the Python: what the steps import, checked before any of them runs --------------------------------------------

@@ -1197,6 +1197,21 @@ _REFUSED = dict.fromkeys(("flash_attention_4", "kernels-community/flash-attn4"),
     "other outputs from one beta to the next, and the stash has no replay of them checked against their own backward"))
 
 
+def _flash4_seen(implementation):
+    """The flash-attn 4 build that ``implementation`` loads, with its version: the flash-attn-4 package, which
+    transformers prefers for "flash_attention_4" where it is installed, else the Hub build at the revision named or
+    at the version transformers asks for."""
+    name, _, revision = implementation.partition("@")
+    if name == "flash_attention_4":
+        try:
+            return f"the flash-attn-4 package {importlib.metadata.version('flash-attn-4')}"
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    from transformers.integrations.hub_kernels import get_attn_kernel_version
+    seen = revision or f"version {get_attn_kernel_version('kernels-community/flash-attn4')}"
+    return f"the Hub build kernels-community/flash-attn4 at {seen}"
+
+
 def _implementation(name):
     """The table's record of an implementation, a Hub kernel's made at its first sight; None for one not served."""
     record = _IMPLEMENTATIONS.get(name)
@@ -1282,17 +1297,20 @@ class _LayerStash:
         if not torch.is_grad_enabled():
             # No graph, so no backward to serve: transformers <= 5.22 checkpoints no_grad forwards too.
             return checkpoint_function(function, *args, **kwargs)
-        if torch.compiler.is_compiling():
-            # Traced by dynamo, as its checkpoint operator: the checkpoint's policy saves the kernel's outputs.
-            keywords = getattr(checkpoint_function, "keywords", {})
-            contexts = partial(_compiled_contexts, self.key, keywords.get("use_reentrant"), keywords.get("context_fn"))
-            return checkpoint_function(function, *args, **kwargs, context_fn=contexts)
+        compiling = torch.compiler.is_compiling()
         # Dynamo's frame callback is set where a graph break runs code of a torch.compile region eagerly.
-        if torch._C._dynamo.eval_frame.get_eval_frame_callback() not in (None, False):
-            raise AttentionStashError(f"{_FEATURE} needs dynamo to trace the checkpoint of {self.name} under "
-                                      f"torch.compile, got it run eagerly after a graph break, where the stash's "
-                                      f"state would break the graph around it. Remove the graph break from the "
-                                      f"layer's forward, or the stash (handle.remove()).")
+        if compiling or torch._C._dynamo.eval_frame.get_eval_frame_callback() not in (None, False):
+            keywords = getattr(checkpoint_function, "keywords", {})
+            if keywords.get("use_reentrant"):
+                # Traced, dynamo runs it as non-reentrant; run eagerly (a graph break), torch refuses a context_fn.
+                _refuse_compiled(
+                    self, "non-reentrant checkpointing", "use_reentrant=True, which torch.compile never runs: dynamo "
+                    "traces every checkpoint as non-reentrant", "Enable checkpointing with use_reentrant=False")
+            if not compiling:
+                _refuse_compiled(self, "dynamo's tracing", *_graph_break(self))
+            # Traced by dynamo, as its checkpoint operator: the checkpoint's policy saves the kernel's outputs.
+            contexts = partial(_compiled_contexts, self.key, keywords.get("context_fn"))
+            return checkpoint_function(function, *args, **kwargs, context_fn=contexts)
         return checkpoint_function(_CheckpointCall(self, function), *args, **kwargs)
 
     def outside_checkpoint(self):
@@ -1436,7 +1454,7 @@ _BY_KEY = weakref.WeakValueDictionary()
 _LAYER_STASHES = {}
 
 
-def _compiled_contexts(key, use_reentrant, context_fn):
+def _compiled_contexts(key, context_fn):
     """The selective-checkpointing contexts of a stashed layer's checkpoint under torch.compile, made as the compiled
     graph is partitioned: its policy saves the outputs of the kernels the stash serves (MUST_SAVE), composed with the
     checkpoint's own ``context_fn``, whose policy wins where it names an op (MUST_SAVE or MUST_RECOMPUTE)."""
@@ -1448,9 +1466,7 @@ def _compiled_contexts(key, use_reentrant, context_fn):
         return (context_fn or torch.utils.checkpoint.noop_context_fn)()
     record = _implementation(stash.implementation)
     ops, interface = record.compiled_ops(record), _FLASH_INTERFACES.get(stash.implementation)
-    refusals = ((use_reentrant, "non-reentrant checkpointing", "use_reentrant=True, which torch.compile never runs: "
-                 "dynamo traces every checkpoint as non-reentrant", "Enable checkpointing with use_reentrant=False"),
-                (not ops, "kernel functions that dynamo traces (torch ops with fake kernels)",
+    refusals = ((not ops, "kernel functions that dynamo traces (torch ops with fake kernels)",
                  f"{interface.description if interface else stash.implementation}, whose kernel functions are Python "
                  f"functions calling compiled kernels", "Train the compiled model with sdpa, flash-attn 2 or a Hub "
                  "build whose kernel functions are such ops"),
@@ -1474,15 +1490,16 @@ def _refuse_compiled(stash, needs, got, fix):
 def _graph_break(stash):
     """What runs a stashed layer's checkpoint eagerly under torch.compile, and its fix: a graph break inside the layer,
     named where the stash knows it. kernels >= 0.18 wraps Hugging Face's attention forward (``use_kernelized_func``)
-    in one that sets a context variable of its own, which dynamo does not trace inside a checkpoint; ZeRO-3 gathers
-    each submodule's parameters in hooks dynamo does not trace (torch.compiler.disable)."""
+    in one that sets a context variable of its own, which dynamo does not trace inside a checkpoint: the wrapper is
+    found by that variable in its globals, wherever the kernels release keeps its module; ZeRO-3 gathers each
+    submodule's parameters in hooks dynamo does not trace (torch.compiler.disable)."""
     got = "a checkpoint run eagerly after a graph break in the layer's forward"
     if any(hasattr(param, "ds_id") for module in stash.modules for param in module.parameters(recurse=False)):
         return (f"{got}: DeepSpeed ZeRO stage 3 gathers each submodule's parameters in forward hooks that dynamo does "
                 f"not trace, so plain checkpoints run eagerly too", "Compile with ZeRO stage 0, 1 or 2")
-    if (getattr(sys.modules.get("kernels.layer.layer"), "_ACTIVE_KERNEL_FUNCS", None) is None
-            or torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint
-            or not any("_kernel_funcs" in vars(module) for module in stash.modules)):
+    wrapped = [type(module).forward for module in stash.modules if "_kernel_funcs" in vars(module)]
+    if (torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint
+            or not any("_ACTIVE_KERNEL_FUNCS" in getattr(forward, "__globals__", ()) for forward in wrapped)):
         return got, "Remove the graph break"
     return (f"{got}: kernels {importlib.metadata.version('kernels')} sets a context variable there, a mutation dynamo "
             f"does not trace inside a checkpoint, so plain checkpoints run eagerly too", "Set torch._dynamo.config."
@@ -1784,7 +1801,8 @@ class _LayerPlan:
         refused = _REFUSED.get(str(self.implementation).partition("@")[0])
         if refused is not None:
             raise AttentionStashError(f'{_FEATURE} cannot serve attn_implementation "{self.implementation}" of '
-                                      f'{self.name}: {refused}. Load the model with attn_implementation='
+                                      f'{self.name}, {_flash4_seen(self.implementation)}: {refused}. Load the model '
+                                      f'with attn_implementation='
                                       f'"flash_attention_3" (flash-attn 3, or its Hub kernel), "flash_attention_2" or '
                                       f'"sdpa", or train it without the stash.')
         record = _implementation(self.implementation)

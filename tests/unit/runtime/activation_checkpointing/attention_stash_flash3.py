@@ -19,7 +19,6 @@ The ops' CPU kernels delegate to attention_stash_flash's stand-ins, so all paths
 kernels give the shapes only, for the meta device. Inputs the stand-ins do not implement raise NotImplementedError.
 """
 
-
 import dataclasses
 import hashlib
 import importlib
@@ -171,21 +170,29 @@ def build_hub_kernel(root, repo_id):
     (``ops = torch.ops.<namespace>`` and ``add_op_namespace_prefix``), an __init__.py exporting the mirror's
     flash_attn_func and flash_attn_varlen_func (the real one exports more, flash_attn_with_kvcache among them, which
     Hugging Face's training path does not call: without it transformers warns that block tables are not supported),
-    and metadata.json, whose id (the module's name in sys.modules and its
-    ops' namespace) is ``_<package>_`` and a hash of the mirror's text. Defines the namespace's compiled ops (once per
-    process) before the kernels package imports the mirror, whose custom ops register in that namespace.
+    and those two names of _ops.py where the real one exports them at the version transformers asks for, and
+    metadata.json, whose id (the module's name in sys.modules and its ops' namespace) is ``_<package>_`` and a hash of
+    the mirror's text. Defines the namespace's compiled ops (once per process) before the kernels package imports the
+    mirror, whose custom ops register in that namespace.
     """
     build = HUB_BUILDS[repo_id]
     source = _mirror(build)
     namespace = hub_kernel_name(repo_id)
     # The fields kernels 0.17.2 requires; the version transformers asks for (FLASH_ATTN_KERNEL_VERSIONS).
-    metadata = dict(id=namespace, name=repo_id.partition("/")[2], version=build.version, license="BSD-3-Clause",
+    metadata = dict(id=namespace,
+                    name=repo_id.partition("/")[2],
+                    version=build.version,
+                    license="BSD-3-Clause",
                     backend={"type": "cpu"})
     metadata["python-depends"] = []
     ops = (f"import torch\n\nops = torch.ops.{namespace}\n\n\ndef add_op_namespace_prefix(op_name: str):\n"
            f'    """Prefix op by namespace."""\n    return f"{namespace}::{{op_name}}"\n')
     exports = ("flash_attn_func", "flash_attn_varlen_func")
-    init = f"from .flash_attn_interface import {', '.join(exports)}\n\n__all__ = {list(exports)!r}\n"
+    init = f"from .flash_attn_interface import {', '.join(exports)}\n"
+    if build.ops_exported_from is not None and build.version >= build.ops_exported_from:
+        init = "from ._ops import add_op_namespace_prefix, ops\n" + init
+        exports += ("add_op_namespace_prefix", "ops")
+    init += f"\n__all__ = {list(exports)!r}\n"
     files = {"flash_attn_interface.py": source, "_ops.py": ops, "__init__.py": init}
     files["metadata.json"] = json.dumps(metadata, indent=2) + "\n"
     variant = pathlib.Path(root) / metadata["name"] / "build" / "torch-cpu"
@@ -232,10 +239,10 @@ def use_hub_kernel(monkeypatch, tmp_path_factory_or_root, repo_id="kernels-commu
     monkeypatch.setenv("LOCAL_KERNELS", f"{repo_id}={path}")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # read at import; kernels reads this
-    # transformers 5.24 asks for kernels >= 0.18.2, < 0.19 (5.22.2: >= 0.17.2, < 0.18), and binds get_kernel_hub only
-    # where that version is installed when it imports. The tests run on either (requirements-dev.txt): 0.17's
-    # get_kernel(repo_id, *, revision, version, user_agent, trust_remote_code, ...) takes what 5.24 passes and loads
-    # LOCAL_KERNELS repositories as 0.18's does, so the check is relaxed here and get_kernel_hub bound to this one.
+    # transformers binds get_kernel_hub only where the kernels release it asks for is installed when it imports (5.22.2:
+    # >= 0.17.2, < 0.18; 5.24: 0.18; 5.25: 0.19). Each release's get_kernel(repo_id, *, revision, version, user_agent,
+    # trust_remote_code, ...) takes what transformers passes and loads LOCAL_KERNELS repositories alike, so the check
+    # is relaxed here and get_kernel_hub bound to the installed one.
     monkeypatch.setattr(hub_kernels, "is_kernels_available", lambda *args, **kwargs: True)
     monkeypatch.setattr(hub_kernels, "get_kernel_hub", kernels.get_kernel, raising=False)
     _clear_lazy_flash(monkeypatch, flash_utils)
@@ -441,24 +448,36 @@ def _hub_fa3_backward_fake(**arguments):
 
 @dataclasses.dataclass(frozen=True)
 class HubBuild:
-    """A Hub build the tests mirror: its package (its mirror is hub_builds/<package>.py), the version transformers asks
-    for, and its compiled ops as (schema, CPU kernel, fake kernel)."""
+    """A Hub build the tests mirror: its package (its mirror is hub_builds/<package>.py), its compiled ops as (schema,
+    CPU kernel, fake kernel), and the version from which the real package's __init__ also exports its _ops module's
+    ``ops`` and ``add_op_namespace_prefix`` (None: none does)."""
 
     package: str
-    version: int
     ops: tuple
+    ops_exported_from: int = None
+
+    @property
+    def version(self):
+        """The version transformers asks for (5.25: flash-attn2 4, flash-attn3 2, vllm-flash-attn3 1), which the local
+        build carries; its mirror's docstring says which version's files it was read at."""
+        from transformers.integrations.hub_kernels import get_attn_kernel_version
+
+        return get_attn_kernel_version("kernels-community/" + self.package.replace("_", "-"))
 
 
 _FA2_CPU_KERNELS = (_hub_forward_cpu, _hub_varlen_forward_cpu, _hub_backward_cpu, _hub_varlen_backward_cpu)
 HUB_BUILDS = {
     "kernels-community/flash-attn2":
-    HubBuild("flash_attn2", 4,
-             tuple(zip(_FA2_OPS, _FA2_CPU_KERNELS, (_hub_forward_fake, _hub_forward_fake, _hub_backward_fake,
-                                                    _hub_backward_fake)))),
+    HubBuild(
+        "flash_attn2",
+        tuple(
+            zip(_FA2_OPS, _FA2_CPU_KERNELS,
+                (_hub_forward_fake, _hub_forward_fake, _hub_backward_fake, _hub_backward_fake)))),
     "kernels-community/flash-attn3":
-    HubBuild("flash_attn3", 1, ((_FA3_FWD, _fa3_forward_cpu, _fa3_forward_fake),
-                                (_HUB_FA3_BWD, _hub_fa3_backward_cpu, _hub_fa3_backward_fake))),
+    HubBuild("flash_attn3", ((_FA3_FWD, _fa3_forward_cpu, _fa3_forward_fake),
+                             (_HUB_FA3_BWD, _hub_fa3_backward_cpu, _hub_fa3_backward_fake)),
+             ops_exported_from=2),
     "kernels-community/vllm-flash-attn3":
-    HubBuild("vllm_flash_attn3", 1, ((_VLLM_FA3_FWD, _fa3_forward_cpu, _fa3_forward_fake),
-                                     (_VLLM_FA3_BWD, _fa3_backward_cpu, _fa3_backward_fake))),
+    HubBuild("vllm_flash_attn3", ((_VLLM_FA3_FWD, _fa3_forward_cpu, _fa3_forward_fake),
+                                  (_VLLM_FA3_BWD, _fa3_backward_cpu, _fa3_backward_fake))),
 }

@@ -17,7 +17,6 @@ from importlib.metadata import version
 
 import pytest
 import torch
-import transformers
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
@@ -68,11 +67,12 @@ def compiled_steps(model, batch, steps=2):
     return losses, param_grads(model), graphs
 
 
-@pytest.fixture(autouse=True)
-def traceable_kernels_layers():
+@pytest.fixture
+def traceable_kernels():
     """kernels >= 0.18 wraps Hugging Face's attention modules' forward in one that sets a context variable of its own,
     a mutation dynamo refuses inside a checkpoint unless told not to replay it in the recompute: compiled plain runs
-    every checkpoint eagerly then. Both arms of every test here trace their checkpoints."""
+    every checkpoint eagerly then. Both arms of a test that takes this fixture trace their checkpoints; the tests at
+    dynamo's defaults (test_at_dynamos_defaults_*) show what a user meets without it."""
     with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
         yield
 
@@ -84,6 +84,7 @@ def family(request):
 
 @pytest.mark.parametrize("padded", [False, True], ids=["plain", "padded"])
 @pytest.mark.parametrize("family", sorted(FAMILIES), indirect=True)
+@pytest.mark.usefixtures("traceable_kernels")
 def test_a_compiled_step_saves_the_stashed_layers_attention(install, family, padded):
     """Compiled plain against compiled stashed, two stashed layers of three: losses and gradients bitwise, each step
     as the first; the backward graph runs the attention forward of the unstashed layer alone and every matmul the
@@ -114,6 +115,7 @@ def test_a_compiled_step_saves_the_stashed_layers_attention(install, family, pad
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["plain", "padded"])
+@pytest.mark.usefixtures("traceable_kernels")
 def test_nothing_outlives_a_compiled_step(install, padded):
     """After each compiled step, its graphs alive, no tensor of the batch's shape is left that was not alive before
     it (other tests' graphs may hold some): the saved attention outputs die with the backward graph's inputs, and the
@@ -140,6 +142,7 @@ def test_nothing_outlives_a_compiled_step(install, padded):
     assert live_tensors(before, counted=of_the_batch) == [] and live_checkpoint_calls() == []
 
 
+@pytest.mark.usefixtures("traceable_kernels")
 def test_a_compiled_model_has_no_graph_break_of_the_stashs(install):
     """fullgraph=True: dynamo traces the stash's checkpoint call and entry into one graph with the decoder loop."""
     model = checkpointed(llama_model(use_cache=False), use_reentrant=False)
@@ -152,6 +155,7 @@ def test_a_compiled_model_has_no_graph_break_of_the_stashs(install):
     assert handle.compiled_layers == handle.layers
 
 
+@pytest.mark.usefixtures("traceable_kernels")
 def test_installing_after_a_warm_compile_recompiles_once_and_removing_restores_stock(install):
     """A model compiled and trained before the install: the install recompiles it once (dynamo guards on the layers'
     checkpoint function), after which its backward graph saves the stashed attention; remove() and a fresh compile
@@ -196,6 +200,7 @@ def contexts(policy):
 
 
 @pytest.mark.parametrize("policy", [mm_policy, recompute_attention_policy])
+@pytest.mark.usefixtures("traceable_kernels")
 def test_a_checkpoints_own_policy_composes_and_wins_where_it_names_an_op(install, policy):
     """The checkpoint's own context_fn: where it saves the matmuls, the backward graph recomputes none of them and no
     attention forward; where it recomputes the attention kernel, that policy wins, and the handle does not report
@@ -224,6 +229,7 @@ def test_a_checkpoints_own_policy_composes_and_wins_where_it_names_an_op(install
         assert handle.compiled_layers == ()
 
 
+@pytest.mark.parametrize("dynamo", ["defaults", "traced"])
 @pytest.mark.parametrize("setup, message", [
     ("reentrant", "needs non-reentrant checkpointing for the compiled checkpoint of model.layers.0, got "
      "use_reentrant=True, which torch.compile never runs: dynamo traces every checkpoint as non-reentrant. Enable "
@@ -231,8 +237,10 @@ def test_a_checkpoints_own_policy_composes_and_wins_where_it_names_an_op(install
     ("other_context_fn", "needs a context_fn made by create_selective_checkpoint_contexts, the one kind dynamo takes "
      "for the compiled checkpoint of model.layers.0, got functools.partial(<class 'tuple'>"),
 ])
-def test_what_the_compiled_path_cannot_serve_is_refused_at_the_first_compiled_step(install, setup, message):
-    """Refused by name as dynamo's graph is compiled, before any step runs; torch.compile's error carries it."""
+def test_what_the_compiled_path_cannot_serve_is_refused_at_the_first_compiled_step(install, setup, message, dynamo):
+    """Refused by name at the first compiled step, before any step runs; torch.compile's error carries it. Both at
+    dynamo's defaults, where kernels >= 0.18 makes dynamo run each checkpoint eagerly (torch's own checkpoint would
+    refuse the stash's context_fn for a reentrant one, naming neither), and with the checkpoints traced."""
     import contextlib
     from functools import partial
 
@@ -244,7 +252,8 @@ def test_what_the_compiled_path_cannot_serve_is_refused_at_the_first_compiled_st
                              context_fn=partial(tuple, (contextlib.nullcontext(), contextlib.nullcontext())))
     install(model, NUM_LAYERS)
     torch._dynamo.reset()
-    with pytest.raises((AttentionStashError, torch._dynamo.exc.BackendCompilerFailed)) as raised:
+    traced = torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=dynamo == "traced")
+    with traced, pytest.raises((AttentionStashError, torch._dynamo.exc.BackendCompilerFailed)) as raised:
         torch.compile(model, backend=Graphs())(**inputs(False)).loss.backward()
     torch._dynamo.reset()
     # Raised as the graph is traced (the context_fn's contexts), or as it is compiled, which wraps it.
@@ -288,6 +297,7 @@ def flash_model(implementation):
 @pytest.mark.parametrize("padded", [False, True], ids=["plain", "padded"])
 @pytest.mark.parametrize("implementation",
                          ["flash_attention_2", "kernels-community/flash-attn2", "kernels-community/flash-attn3"])
+@pytest.mark.usefixtures("traceable_kernels")
 def test_a_compiled_flash_step_saves_the_stashed_layers_attention(install, monkeypatch, tmp_path_factory,
                                                                   implementation, padded):
     """flash-attn 2's kernel functions, and the Hub builds', are custom ops with fake kernels (flash-attn's own and the
@@ -341,7 +351,7 @@ def test_flash_kernels_dynamo_cannot_trace_are_refused_at_the_first_compiled_ste
     assert "; under torch.compile, refused: dynamo cannot trace these kernels; " in messages[-1]
     stash = attention_stash._LAYER_STASHES[id(model.model.layers[0])]
     with pytest.raises(AttentionStashError) as raised:
-        attention_stash._compiled_contexts(stash.key, False, None)
+        attention_stash._compiled_contexts(stash.key, None)
     assert str(raised.value).startswith(
         f"attention stash needs kernel functions that dynamo traces (torch ops with fake kernels) for the compiled "
         f"checkpoint of model.layers.0, got {source}")
@@ -351,6 +361,7 @@ def test_flash_kernels_dynamo_cannot_trace_are_refused_at_the_first_compiled_ste
     assert handle.compiled_layers == ()
 
 
+@pytest.mark.usefixtures("traceable_kernels")
 def test_a_graph_break_inside_a_stashed_layer_is_refused(install):
     """A pre-hook on layer 1's attention that breaks dynamo's graph: dynamo runs that layer's checkpoint eagerly, which
     the stash refuses by name (its compiled frames are the layers' own: none reuses another layer's stash)."""
@@ -369,44 +380,63 @@ def test_a_graph_break_inside_a_stashed_layer_is_refused(install):
         r"after a graph break in the layer's forward\. Remove the graph break, or remove the stash", str(error))
 
 
+@pytest.mark.usefixtures("traceable_kernels")
 def test_a_stashed_checkpoint_run_eagerly_inside_a_compiled_region_is_refused(install, monkeypatch):
     """Where dynamo runs a frame eagerly and calls a stashed layer's checkpoint from it, its frame callback is still
     set: the eager path refuses, naming the graph break. The callback is what the guard reads, so the test sets it."""
     model = checkpointed(llama_model(), use_reentrant=False)
     install(model, NUM_LAYERS)
     monkeypatch.setattr(torch._C._dynamo.eval_frame, "get_eval_frame_callback", lambda: object())
-    with pytest.raises(AttentionStashError,
-                       match=r"needs dynamo to trace the checkpoint of model.layers.0 under torch.compile, got it run "
-                       r"eagerly after a graph break, where the stash's state would break the graph around it\."):
+    with pytest.raises(
+            AttentionStashError,
+            match=r"^attention stash needs dynamo's tracing for the compiled checkpoint of model\.layers\.0, "
+            r"got a checkpoint run eagerly after a graph break in the layer's forward\. Remove the graph "
+            r"break, or remove the stash \(handle\.remove\(\)\)\.$"):
         model(**inputs(False))
 
 
-def test_kernels_context_variable_in_the_attention_forward_is_named(install):
-    """kernels >= 0.18 wraps Hugging Face's attention forward in one that sets a context variable, which dynamo does
-    not trace inside a checkpoint unless told to skip it in the recompute: dynamo runs the checkpoints eagerly, and the
-    stash's refusal names that cause and the dynamo setting that removes it."""
-    wrapper = pytest.importorskip("kernels.layer.layer")
-    if not hasattr(wrapper, "_ACTIVE_KERNEL_FUNCS"):
-        pytest.skip("kernels < 0.18 sets no context variable in Hugging Face's attention forward")
+def test_at_dynamos_defaults_kernels_wrapper_is_named_and_its_setting_serves(install):
+    """Dynamo at its defaults, non-reentrant checkpointing, as a user meets it. Where kernels wraps Hugging Face's
+    attention forward in one that sets a context variable (kernels >= 0.18 with the transformers release that asks for
+    it: the README's install), dynamo runs every checkpoint eagerly, plain ones too: the stash refuses by name, naming
+    the kernels release and the dynamo setting that removes the cause, and with that setting the same model's compiled
+    steps serve, bitwise like compiled plain. Without the wrapper (transformers 5.22 with kernels 0.17) the defaults
+    serve."""
+    from packaging.version import Version
+    from transformers.utils.import_utils import is_kernels_available
+
+    batch = inputs(False)
     model = checkpointed(llama_model(), use_reentrant=False)
-    if "_kernel_funcs" not in vars(model.model.layers[0].self_attn):
-        pytest.skip(f"transformers {transformers.__version__} does not use kernels {version('kernels')} "
-                    f"(5.22 takes kernels < 0.18)")
-    install(model, NUM_LAYERS)
-    torch._dynamo.reset()
-    refused = pytest.raises((AttentionStashError, torch._dynamo.exc.BackendCompilerFailed))
-    with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=False), refused as raised:
-        torch.compile(model, backend=Graphs())(**inputs(False)).loss.backward()
-    torch._dynamo.reset()
-    error = getattr(raised.value, "inner_exception", raised.value)
-    assert isinstance(error, AttentionStashError) and re.search(
-        r"needs dynamo's tracing for the compiled checkpoint of model\.layers\.[0-9], got a checkpoint run eagerly "
-        r"after a graph break in the layer's forward: kernels 0\.18\.[0-9]+ sets a context variable there, a mutation "
-        r"dynamo does not trace inside a checkpoint, so plain checkpoints run eagerly too\. Set torch\._dynamo\.config"
-        r"\.skip_fwd_side_effects_in_bwd_under_checkpoint = True \(the recompute then skips setting that variable and "
-        r"resetting it, which leave nothing behind\), or remove the stash \(handle\.remove\(\)\)\.", str(error))
+    # transformers takes the kernels release it asks for (5.22: 0.17, whose wrapper sets no variable; 5.24: 0.18; 5.25:
+    # 0.19), and wraps the attention forward with it.
+    wrapped = is_kernels_available() and Version(version("kernels")) >= Version("0.18")
+    assert ("_kernel_funcs" in vars(model.model.layers[0].self_attn)) is is_kernels_available()
+    handle = install(model, NUM_LAYERS)
+    serving = torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=wrapped)
+    if wrapped:
+        torch._dynamo.reset()
+        with pytest.raises((AttentionStashError, torch._dynamo.exc.BackendCompilerFailed)) as raised:
+            torch.compile(model, backend=Graphs())(**batch).loss.backward()
+        torch._dynamo.reset()
+        error = getattr(raised.value, "inner_exception", raised.value)
+        assert isinstance(error, AttentionStashError) and re.search(
+            r"needs dynamo's tracing for the compiled checkpoint of model\.layers\.[0-9], got a checkpoint run "
+            r"eagerly after a graph break in the layer's forward: kernels " + re.escape(version("kernels")) +
+            r" sets a context variable there, a mutation dynamo does not trace inside a checkpoint, so plain "
+            r"checkpoints run eagerly too\. Set torch\._dynamo\.config\.skip_fwd_side_effects_in_bwd_under_checkpoint "
+            r"= True \(the recompute then skips setting that variable and resetting it, which leave nothing behind\), "
+            r"or remove the stash \(handle\.remove\(\)\)\.", str(error))
+        assert handle.compiled_layers == () and handle.num_kept == 0
+    with serving:
+        plain_losses, plain_grads, plain = compiled_steps(checkpointed(llama_model(), use_reentrant=False), batch, 1)
+        losses, grads, graphs = compiled_steps(model, batch, 1)
+    assert losses == plain_losses
+    assert_same_grads(grads, plain_grads)
+    assert attention_forwards(plain.backward) == NUM_LAYERS and attention_forwards(graphs.backward) == 0
+    assert handle.compiled_layers == handle.layers and handle.recomputes_served == 0
 
 
+@pytest.mark.usefixtures("traceable_kernels")
 def test_the_trainer_with_torch_compile_saves_the_stashed_layers_attention(install, tmp_path, monkeypatch):
     """The Hugging Face Trainer with ``torch_compile=True`` and its "aot_eager" backend, the stash installed before
     ``train()``: two steps leave the parameters bitwise those of the same run without the stash, and the backward
@@ -456,6 +486,7 @@ def test_the_trainer_with_torch_compile_saves_the_stashed_layers_attention(insta
     assert handle.compiled_layers == handle.layers and handle.recomputes_served == 0
 
 
+@pytest.mark.usefixtures("traceable_kernels")
 def test_an_inductor_step_saves_the_stashed_layers_attention(install, monkeypatch):
     """Inductor (its C++ kernels on CPU), compiled plain against compiled stashed: the stashed layers' attention
     forward leaves the backward graph Inductor compiles, and loss and gradients agree within float32 rounding: the two

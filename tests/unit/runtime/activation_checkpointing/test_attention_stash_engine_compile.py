@@ -22,9 +22,10 @@ for _variable, _default in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "
     os.environ.setdefault(_variable, _default)
 
 
-@pytest.fixture(autouse=True)
-def traceable_kernels_layers():
-    """As in test_attention_stash_compile: kernels >= 0.18 needs it for dynamo to trace any checkpoint."""
+@pytest.fixture
+def traceable_kernels():
+    """As in test_attention_stash_compile: kernels >= 0.18 needs it for dynamo to trace any checkpoint. The ZeRO-3 test
+    runs at dynamo's defaults: its refusal names ZeRO-3's hooks either way."""
     with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
         yield
 
@@ -54,6 +55,7 @@ def _engine_steps(install, stage, stashed, backend, deepcompile=False, steps=2):
     return torch.stack(losses), grads, handle, engine
 
 
+@pytest.mark.usefixtures("traceable_kernels")
 @pytest.mark.parametrize("stage", [0, 1, 2])
 def test_engine_compile_serves_zero_stages(install, stage):
     """Compiled plain against compiled stashed through the engine: losses and gradients bitwise, the backward graphs
@@ -67,6 +69,7 @@ def test_engine_compile_serves_zero_stages(install, stage):
     assert handle.compiled_layers == handle.layers and handle.num_kept == 0
 
 
+@pytest.mark.usefixtures("traceable_kernels")
 def test_deepcompile_at_zero_stage_0_falls_back_to_dynamos_eager_backend_and_is_served(install):
     """DeepCompile serves ZeRO stages 1 to 3 only: at stage 0 engine.compile() runs torch.compile with the backend
     given, here dynamo's "eager" (no AOTAutograd), whose checkpoint operator runs the stashed policy eagerly."""

@@ -4,16 +4,17 @@
 """The stash across transformers' decoder families, on tiny random configs.
 
 Hybrids (softmax-attention layers between linear-attention or state-space layers), attention modules not shaped like
-Llama's (GPT-NeoX, BERT as a decoder), layers with two attention calls (DiffLlama), and families whose attention
-bypasses Hugging Face's attention interface (Falcon, Doge), which are refused at install. Every served case is bitwise
-against the plain recompute, with every recompute counted, and the planner's bytes equal what the stash kept. A
-refused install leaves the process stock. CI runs them on both checkpoint layouts of transformers; a family that the
-installed transformers lacks is skipped.
+Llama's (GPT-NeoX, BERT as a decoder, Falcon from transformers 5.25), layers with two attention calls (DiffLlama), and
+families whose attention bypasses Hugging Face's attention interface (Data2Vec's vision model, Doge; Falcon up to
+5.24), which are refused at install. Every served case is bitwise against the plain recompute, with every recompute
+counted, and the planner's bytes equal what the stash kept. A refused install leaves the process stock. CI runs them on
+both checkpoint layouts of transformers; a family that the installed transformers lacks is skipped.
 """
 
 import pytest
 import torch
 import transformers
+from packaging.version import Version
 
 from deepspeed.runtime.activation_checkpointing.attention_stash import (AttentionStashError,
                                                                         attention_stash_layer_bytes,
@@ -66,6 +67,11 @@ _DEEPSEEK_V32 = dict(num_key_value_heads=4,
                      index_head_dim=16,
                      index_n_heads=2,
                      first_k_dense_replace=1)
+# Falcon's attention calls F.scaled_dot_product_attention itself up to transformers 5.24, and Hugging Face's attention
+# interface from 5.25: refused on CI's 5.22.2 leg, served on its main one.
+FALCON_ON_INTERFACE = Version(transformers.__version__) >= Version("5.25")
+_FALCON = ("FalconForCausalLM", "FalconConfig", dict(num_kv_heads=2, ffn_hidden_size=128),
+           [f"transformer.h.{index}" for index in range(4)])
 # family: (model class, config class, config beyond _SMALL, the attention layers among its 4 decoder layers)
 FAMILIES = {
     # Three linear-attention (gated delta net) layers per full-attention layer, as Qwen3.5 and Qwen3-Next ship them.
@@ -84,9 +90,16 @@ FAMILIES = {
     ("DiffLlamaForCausalLM", "DiffLlamaConfig", _DIFFLLAMA, [f"model.layers.{index}" for index in range(4)]),
 }
 REFUSED = {
-    "falcon": ("FalconForCausalLM", "FalconConfig", dict(num_kv_heads=2, ffn_hidden_size=128), None),
+    # An image encoder's layers (GradientCheckpointingLayer), installed on and refused before any forward.
+    "data2vec_vision":
+    ("Data2VecVisionModel", "Data2VecVisionConfig", dict(intermediate_size=128, image_size=32, patch_size=8), None),
     "doge": ("DogeForCausalLM", "DogeConfig", dict(num_key_value_heads=2, intermediate_size=128, **_MOE), None),
 }
+if FALCON_ON_INTERFACE:
+    FAMILIES["falcon"] = _FALCON
+else:
+    REFUSED["falcon"] = _FALCON[:3] + (None, )
+DIRECT = "calls F.scaled_dot_product_attention itself, not through Hugging Face's attention interface"
 
 
 def family_model(family):
@@ -162,11 +175,10 @@ def test_hybrid_counts_attention_layers(install, family):
 
 
 @pytest.mark.parametrize("family, why", [
-    ("falcon", "FalconAttention calls F.scaled_dot_product_attention itself, not through Hugging Face's attention "
-     "interface"),
+    ("data2vec_vision", f"Data2VecVisionSdpaSelfAttention {DIRECT}"),
     ("doge", "DogeAttention calls attention through an attention interface of its own "
      "\\(transformers.models.doge.modeling_doge.ALL_ATTENTION_FUNCTIONS\\), not Hugging Face's"),
-])
+] + ([] if FALCON_ON_INTERFACE else [("falcon", f"FalconAttention {DIRECT}")]))
 def test_attention_that_bypasses_the_interface_is_refused_at_install(family, why):
     model = checkpointed(family_model(family))
     with pytest.raises(

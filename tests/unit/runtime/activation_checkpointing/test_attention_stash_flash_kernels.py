@@ -22,6 +22,7 @@ import types
 import pytest
 import torch
 import transformers
+from packaging.version import Version
 
 from deepspeed.runtime.activation_checkpointing import attention_stash
 from deepspeed.runtime.activation_checkpointing.attention_stash import AttentionStashError
@@ -367,15 +368,31 @@ def test_a_recompute_with_another_deterministic_setting_is_refused(install, impl
     assert live_tensors(before, model, counted=real_2d) == []
 
 
+@pytest.mark.parametrize("installed", [None, "4.0.0b36"], ids=["hub", "package"])
 @pytest.mark.parametrize("name",
                          ["flash_attention_4", "kernels-community/flash-attn4", "kernels-community/flash-attn4@v0"])
-def test_flash_attention_4_is_refused_at_install(name):
-    """flash-attn 4 (flash_attn.cute) and its Hub build, which transformers 5.24 serves: refused at the install,
-    before anything is imported or held, naming flash-attn 4, why, and what to load instead; the planner too."""
+def test_flash_attention_4_is_refused_at_install(name, installed, tmp_path, monkeypatch):
+    """flash-attn 4 (flash_attn.cute) and its Hub build, which transformers 5.24 and 5.25 serve: refused at install,
+    before anything is imported or held, naming the build and version it would load (the flash-attn-4 package, which
+    transformers prefers for "flash_attention_4" where it is installed, else the Hub build at the revision named or at
+    the version transformers asks for: 1 from 5.25, 0 before), why, and what to load instead; the planner too."""
+    from transformers.integrations.hub_kernels import get_attn_kernel_version
+
+    if installed:
+        # An installed distribution as pip leaves it: its dist-info folder on the path, named and versioned there.
+        dist_info = tmp_path / f"flash_attn_4-{installed}.dist-info"
+        dist_info.mkdir()
+        (dist_info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: flash-attn-4\nVersion: {installed}\n")
+        monkeypatch.syspath_prepend(str(tmp_path))
+    hub_version = get_attn_kernel_version("kernels-community/flash-attn4")
+    assert hub_version == (1 if Version(transformers.__version__) >= Version("5.25") else 0)
+    seen = (
+        f"the flash-attn-4 package {installed}" if installed and name == "flash_attention_4" else
+        f"the Hub build kernels-community/flash-attn4 at {'v0' if name.endswith('@v0') else f'version {hub_version}'}")
     model = kernel_model("llama", "flash_attention_3")
     model.config._attn_implementation = name
-    message = (f'cannot serve attn_implementation "{re.escape(name)}" of model\\.layers\\.2: flash-attn 4 '
-               r"\(flash_attn\.cute, .*\) is not served yet: .*Load the model with "
+    message = (f'cannot serve attn_implementation "{re.escape(name)}" of model\\.layers\\.2, {re.escape(seen)}: '
+               r"flash-attn 4 \(flash_attn\.cute, .*\) is not served yet: .*Load the model with "
                r'attn_implementation="flash_attention_3" \(flash-attn 3, or its Hub kernel\)')
     with pytest.raises(AttentionStashError, match=message):
         attention_stash.install_attention_stash(model, 1)
@@ -630,7 +647,20 @@ def test_a_registration_after_a_hub_kernels_install_is_not_shadowed(install, mon
 
 # The kernel functions of each real build's torch-ext/<package>/flash_attn_interface.py, in
 # huggingface/kernels-community: whether they are custom ops in the build's namespace (torch.library.custom_op with
-# add_op_namespace_prefix), and each one's parameters in order, as the real file defines them.
+# add_op_namespace_prefix), and each one's parameters in order, as the real file defines them, read at the version
+# and commit READ_AT names (the newest source this project could read: transformers 5.25 asks for flash-attn2 4 and
+# flash-attn3 2, whose interface files were not reachable; flash-attn3 2 also exports its _ops module's names).
+READ_AT = {
+    "kernels-community/flash-attn2":
+    "Read at version 3 (huggingface/kernels-community 2d6ecf3c",
+    "kernels-community/flash-attn3":
+    "Read at version 1 (huggingface/kernels-community 8e6f8376",
+    "kernels-community/vllm-flash-attn3":
+    "Read at version 1, the version transformers 5.22 to 5.25 ask for "
+    "(huggingface/kernels-community df070bae",
+}
+# The versions transformers asks for (get_attn_kernel_version): flash-attn3's is 1 up to 5.24, 2 from 5.25.
+ASKED = {HUBS[0]: 4, HUBS[1]: 2 if Version(transformers.__version__) >= Version("5.25") else 1, HUBS[2]: 1}
 _FA2_KERNEL = "dropout_p softmax_scale causal window_size_left window_size_right softcap alibi_slopes"
 _FA3_FORWARD = ("q k v k_new v_new qv {out} cu_seqlens_q cu_seqlens_k cu_seqlens_k_new seqused_q seqused_k "
                 "max_seqlen_q max_seqlen_k page_table kv_batch_idx leftpad_k rotary_cos rotary_sin seqlens_rotary "
@@ -666,11 +696,19 @@ REAL_KERNEL_FUNCTIONS = {
 def test_the_mirrors_kernel_functions_are_the_real_builds(monkeypatch, tmp_path_factory, repo_id):
     """Each mirror's kernel functions are what the real build's are: custom ops in the build's namespace, with a fake
     kernel that runs them on meta, where the real ones are (flash-attn2's, flash-attn3's), plain functions where they
-    are (vllm-flash-attn3's); with the real file's parameters, in order. A mirror cannot drift to fit the stash."""
+    are (vllm-flash-attn3's); with the real file's parameters, in order. A mirror cannot drift to fit the stash. Each
+    mirror names the version and commit it was read at; the local build carries the version transformers asks for and
+    exports what the real package exports there of the stash's concern (flash-attn3's _ops names from version 2)."""
     from torch._library.custom_ops import CustomOpDef
+    from transformers.integrations.hub_kernels import get_attn_kernel_version
 
     kernel = use_hub_kernel(monkeypatch, tmp_path_factory, repo_id)
     module = sys.modules[f"{kernel.__name__}.flash_attn_interface"]
+    assert READ_AT[repo_id] in " ".join(module.__doc__.split())
+    version = get_attn_kernel_version(repo_id)
+    assert HUB_BUILDS[repo_id].version == version == ASKED[repo_id]
+    exported = {"ops", "add_op_namespace_prefix"} <= set(kernel.__all__)
+    assert exported == (repo_id == HUBS[1] and version >= 2)
     custom_ops, functions = REAL_KERNEL_FUNCTIONS[repo_id]
     for name, parameters in functions.items():
         function = getattr(module, name)

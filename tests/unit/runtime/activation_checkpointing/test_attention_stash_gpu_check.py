@@ -90,6 +90,11 @@ def test_gpu_check_dry_run(tmp_path):
         assert replay[1] == "passed"
         cuda = [line for line in section.splitlines() if "[cuda-" in line or "test_cuda_two_layer" in line]
         assert len(cuda) == 24 and all(re.search(r"\| (passed|skipped|failed|error) \|", line) for line in cuda)
+        # The from_pretrained step, at its defaults, in both checkpoint modes (skipped without CUDA).
+        for mode in ("reentrant", "non_reentrant"):
+            case = ("test_attention_stash_from_pretrained.py::"
+                    f"test_a_model_from_pretrained_at_the_defaults_is_served_on_cuda[{mode}]")
+            assert _row(section, case)[1] == ("passed" if torch.cuda.is_available() else "skipped")
 
     benchmark = _section(report, "## Benchmark")
     for arm in ("plain recompute", "stash 1 layers", "stash 2 layers", "non-reentrant recompute",

@@ -4,6 +4,11 @@
 """A mirror of the Hub build kernels-community/flash-attn2's Python layer, for the attention stash tests: its
 ``torch-ext/flash_attn2/flash_attn_interface.py``, written for these tests, the parts Hugging Face and the stash reach.
 
+Read at version 3 (huggingface/kernels-community 2d6ecf3c, the newest source this project could read; the file last
+changed at cf18692e). transformers 5.22 to 5.25 ask for version 4, whose source was not reachable here: the mirror
+follows version 3, and transformers 5.24 and 5.25 call the build's functions alike (flash_attn_varlen_func and
+flash_attn_func, the same keywords).
+
 As in the real file:
 
 * ``_flash_attn_forward``, ``_flash_attn_varlen_forward``, ``_flash_attn_backward`` and ``_flash_attn_varlen_backward``
@@ -16,10 +21,11 @@ As in the real file:
 * flash_attn_func and flash_attn_varlen_func take the real file's parameters.
 
 Where it differs, because these tests run the CUDA build's role on CPU: the custom ops are registered for the CPU
-(the real file registers them for ``_get_device()``, which answers "cuda" on a CUDA machine and "cpu" here), and
+(the real file registers them for ``_get_device()``, which answers "cuda" on a CUDA machine and "cpu" here),
 flash_attn_varlen_func saves for the backward wherever grad is enabled (the real one passes ``is_grad_enabled=False``
-on CPU, where the build has a varlen forward only). The compiled ops are attention_stash_flash3's stand-ins, defined in
-this build's namespace before the module loads.
+on CPU, where the build has a varlen forward only), and the forwards' fake kernels return an empty softmax where the
+real ones size it for ``return_softmax``, which neither Hugging Face nor the stash asks for. The compiled ops are
+attention_stash_flash3's stand-ins, defined in this build's namespace before the module loads.
 """
 
 from typing import Optional, Tuple

@@ -4,6 +4,12 @@
 """A mirror of the Hub build kernels-community/flash-attn3's Python layer, for the attention stash tests: its
 ``torch-ext/flash_attn3/flash_attn_interface.py``, written for these tests, the parts Hugging Face and the stash reach.
 
+Read at version 1 (huggingface/kernels-community 8e6f8376, the file's last change). transformers 5.25 asks for version
+2 (kernels-community PR #1132, "Expose ops ... Bump version since we are exposing something new"): its package
+``__init__`` also exports ``ops`` and ``add_op_namespace_prefix`` from ``_ops``, which the tests' local build follows
+(attention_stash_flash3.build_hub_kernel); its flash_attn_interface.py was not reachable here, and that change names
+nothing else.
+
 As in the real file:
 
 * ``_flash_attn_forward`` and ``_flash_attn_backward`` are custom ops (``torch.library.custom_op``) named in the

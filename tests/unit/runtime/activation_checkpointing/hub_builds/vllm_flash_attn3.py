@@ -3,8 +3,11 @@
 # DeepSpeed Team
 """A mirror of the Hub build kernels-community/vllm-flash-attn3's Python layer, for the attention stash tests: its
 ``torch-ext/vllm_flash_attn3/flash_attn_interface.py``, written for these tests, the parts Hugging Face and the stash
-reach. transformers 5.24 loads this build for attn_implementation="flash_attention_3" where flash-attn 3 is not
-installed and the kernels package is.
+reach. transformers 5.24 and 5.25 load this build for attn_implementation="flash_attention_3" where flash-attn 3 is
+not installed and the kernels package is.
+
+Read at version 1, the version transformers 5.22 to 5.25 ask for (huggingface/kernels-community df070bae, the file's
+last change; unchanged through the build's version 1 since cb661dfd).
 
 As in the real file:
 
