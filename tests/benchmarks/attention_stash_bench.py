@@ -1,11 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""Benchmark of the attention stash against plain reentrant recompute and PyTorch selective checkpointing.
+"""Benchmark of the attention stash against plain recompute and TRL's selective activation checkpointing.
 
 Trains a Hugging Face Qwen3-MoE model built from a config (no download) through a DeepSpeed engine with per-layer
-checkpointing, in one process, arm after arm: plain reentrant recompute, the stash on half and on all layers, and
-selective activation checkpointing that saves the SDPA kernel's outputs. The arms run in order, then in reverse, to
+checkpointing, in one process, arm after arm: plain reentrant recompute, the stash on half and on all layers, plain
+non-reentrant recompute and the stash on all layers under it, and TRL's selective activation checkpointing
+(``gradient_checkpointing_kwargs={"selective": True}``: TRL's own where it is installed), which saves the attention
+kernels' outputs. The arms run in order, then in reverse, to
 expose drift. Every run starts from the same weights and optimizer state and trains on the same batches, so the losses
 of all arms must agree.
 
@@ -31,6 +33,7 @@ import statistics
 import sys
 import threading
 import time
+import warnings
 import weakref
 
 import torch
@@ -284,32 +287,67 @@ def build_model(settings):
         return model_class(config).to(getattr(torch, settings["dtype"]))
 
 
-def _save_sdpa_outputs_policy():
-    """Selective checkpointing policy: keep what the fused SDPA kernels return, recompute everything else."""
+# The fused SDPA forward kernels: what TRL's selective checkpointing saves, and the attention forwards the benchmark
+# counts in a backward.
+_SDPA_FORWARDS = {
+    getattr(torch.ops.aten, name).default
+    for name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                 "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
+    if hasattr(torch.ops.aten, name)
+}
+
+
+def _selective_policy(ctx, op, *args, **kwargs):
+    """TRL's selective-checkpointing policy, written out for where TRL is not installed (TRL 1.16,
+    trl/models/selective_activation_checkpointing.py): MUST_SAVE the fused SDPA ops and any op whose name holds
+    "flash_attn", PREFER_RECOMPUTE the rest."""
     from torch.utils.checkpoint import CheckpointPolicy
 
-    aten = torch.ops.aten
-    saved = {
-        getattr(aten, name).default
-        for name in ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_cudnn_attention",
-                     "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention")
-        if hasattr(aten, name)
-    }
-
-    def policy(ctx, op, *args, **kwargs):
-        return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
-
-    return policy
+    saved = op in _SDPA_FORWARDS or "flash_attn" in str(op)
+    return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def set_checkpointing(model, kind, compiled=False):
-    """Per-layer checkpointing: reentrant for the stash and plain arms, non-reentrant for the others; non-reentrant for
-    every arm ``compiled`` (dynamo traces every checkpoint as non-reentrant; the stash refuses reentrant ones)."""
+class _AttentionForwards(TorchDispatchMode):
+    """Counts the fused SDPA forward kernels run under it (the autograd engine carries it to its device threads): in a
+    backward, the attention forwards its recomputes run. Python runs on every op, so only an untimed step counts."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += func in _SDPA_FORWARDS
+        return func(*args, **(kwargs or {}))
+
+
+def selective_checkpointing(model, kwargs):
+    """Per-layer checkpointing as TRL's ``gradient_checkpointing_kwargs={"selective": True}`` sets it: selective
+    activation checkpointing whose policy saves the attention kernels' outputs, on non-reentrant checkpointing, the one
+    mode it has. TRL's own enable_selective_activation_checkpointing where TRL is installed, else its policy written
+    out here; returns which, in words."""
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-    kwargs = {"use_reentrant": kind in ("plain", "stash") and not compiled}
-    if kind == "selective":
-        kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _save_sdpa_outputs_policy())
+    try:
+        import trl
+        from trl.models import enable_selective_activation_checkpointing
+    except ImportError:
+        _checkpointing(
+            model, {
+                **kwargs, "context_fn": functools.partial(create_selective_checkpoint_contexts, _selective_policy)
+            })
+        return "TRL's policy written out (TRL is not installed)"
+    # TRL wraps the model's gradient_checkpointing_enable (the deprecated alias of activation_checkpointing_enable from
+    # transformers 5.23), which sets the policy and use_reentrant=False; the wrapper goes once it has.
+    enable_selective_activation_checkpointing(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        model.gradient_checkpointing_disable()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    del model.gradient_checkpointing_enable
+    return f"TRL {trl.__version__}'s enable_selective_activation_checkpointing"
+
+
+def _checkpointing(model, kwargs):
     # transformers 5.23 renamed gradient_checkpointing_enable, keeping the old name as a deprecated alias.
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_disable()
@@ -317,7 +355,16 @@ def set_checkpointing(model, kind, compiled=False):
     else:
         model.gradient_checkpointing_disable()
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def set_checkpointing(model, kind, compiled=False):
+    """Per-layer checkpointing: reentrant for the stash and plain arms, non-reentrant for the others (TRL's selective
+    checkpointing for the selective arm); non-reentrant for every arm ``compiled`` (dynamo traces every checkpoint as
+    non-reentrant; the stash refuses reentrant ones). Returns the selective arm's source, else None."""
+    kwargs = {"use_reentrant": kind in ("plain", "stash") and not compiled}
+    source = selective_checkpointing(model, kwargs) if kind == "selective" else _checkpointing(model, kwargs)
     model.train()
+    return source
 
 
 class _PeakRss:
@@ -489,7 +536,7 @@ def run_arm(engine, initial, batches, settings, arm):
     model = engine.module
     engine.module.load_state_dict(initial["module"])
     engine.optimizer.load_state_dict(copy.deepcopy(initial["optimizer"]))
-    set_checkpointing(model, arm["kind"], compiled)
+    selective_source = set_checkpointing(model, arm["kind"], compiled)
     handle = install_attention_stash(model, arm["stashed"]) if arm["stashed"] else None
     if compiled:
         # Each compiled run compiles its own graphs in its first step, with its stash installed before.
@@ -497,6 +544,8 @@ def run_arm(engine, initial, batches, settings, arm):
     # The step that measures memory: the first, or compiled the second, after the compile.
     measured = 1 if compiled else 0
     times, losses, peak_live, peak_rss, kept, compiled_layers = [], [], None, None, 0, []
+    # What each recompute runs, counted in the first step where it is untimed; compiled, the graphs say it instead.
+    counted, in_backward = not compiled and settings["warmup"] > 0, None
     try:
         with _compiling(settings):
             for index, batch in enumerate(batches):
@@ -509,10 +558,14 @@ def run_arm(engine, initial, batches, settings, arm):
                 rss = _PeakRss() if measure else contextlib.nullcontext()
                 _synchronize(device)
                 start = time.perf_counter()
+                forwards = _AttentionForwards() if counted and index == 0 else contextlib.nullcontext()
                 with rss, live:
                     loss = forward_loss(engine, batch)
-                    engine.backward(loss)
+                    with forwards:
+                        engine.backward(loss)
                     engine.step()
+                if counted and index == 0:
+                    in_backward = forwards.calls
                 _synchronize(device)
                 elapsed = (time.perf_counter() - start) * 1e3
                 losses.append(loss.item())
@@ -532,6 +585,12 @@ def run_arm(engine, initial, batches, settings, arm):
             raise RuntimeError(f"attention_stash_bench needs the stash to serve every recompute of {arm['label']}, "
                                f"got {handle.recomputes_served} of {arm['stashed']} layers x {len(batches)} steps.")
         kept = handle.peak_kept_bytes if handle is not None else 0
+        # Selective checkpointing saves every attention output, the stash those of its layers: a recompute that runs
+        # another attention forward falls back, timed under the arm's name.
+        expected = 0 if arm["kind"] == "selective" else attention_layers(settings) - arm["stashed"]
+        if in_backward is not None and in_backward != expected:
+            raise RuntimeError(f"attention_stash_bench needs {arm['label']} to run {expected} attention forwards in "
+                               f"each backward, got {in_backward}: its recompute ran attention it should have saved.")
     finally:
         if handle is not None:
             handle.remove()
@@ -547,6 +606,8 @@ def run_arm(engine, initial, batches, settings, arm):
         "peak_allocated_bytes": torch.cuda.max_memory_allocated() if device == "cuda" else None,
         "peak_rss_bytes": peak_rss,
         "peak_live_bytes": peak_live,
+        "selective_source": selective_source,
+        "attention_forwards_in_backward": in_backward,
     }
 
 
@@ -648,6 +709,10 @@ def summarize(settings, arms, runs, attention_ms):
             sum(len(run["losses"]) for run in results),
             "losses": [run["losses"] for run in results],
         }
+        # Counted in each run's first step, and checked there.
+        row["attention_forwards_in_backward"] = results[0].get("attention_forwards_in_backward")
+        if arm["kind"] == "selective":
+            row["selective_source"] = results[0]["selective_source"]
         by_arm.append(row)
     # Each stash arm against the recompute it replaces: reentrant for the stash, non-reentrant for its non-reentrant
     # arm.
@@ -718,10 +783,12 @@ def comparisons(settings, by_arm):
         ]))
     if "selective" in kinds:
         selective = kinds["selective"]
-        lines.append((f"{full['label']} against {selective['label']}", [
-            ("step time", _percent(compare(full, selective))),
-            (memory_label, _mib_change(compare(full, selective, memory_key))),
-        ]))
+        # Against TRL's selective checkpointing: the stash in each mode, the non-reentrant one on the same checkpoint.
+        for stash in [full] + [kinds["stash_nr"]] * ("stash_nr" in kinds):
+            lines.append((f"{stash['label']} against {selective['label']}", [
+                ("step time", _percent(compare(stash, selective))),
+                (memory_label, _mib_change(compare(stash, selective, memory_key))),
+            ]))
         # Each over its own checkpointing without saving: what keeping the attention outputs costs in memory.
         lines.append((f"{full['label']} over {kinds['plain']['label']}", [
             (memory_label, _mib_change(compare(full, kinds["plain"], memory_key))),
@@ -1186,14 +1253,14 @@ def main(argv=None):
             f"--compile ({settings['compile']}): non-reentrant recompute against the stash on all {full} attention "
             f"layers. Left out: the reentrant arms (dynamo traces every checkpoint as non-reentrant; the stash "
             f"refuses reentrant checkpointing compiled), the half-stashed arm (every compiled run compiles anew) and "
-            f"selective AC (SDPA), whose policy the stash's compiled checkpoint applies: saving the SDPA outputs.",
+            f"selective AC (TRL), whose policy the stash's compiled checkpoint applies: saving the SDPA outputs.",
             flush=True)
     elif not args.no_sac:
         # Selective checkpointing builds on non-reentrant checkpointing; its plain form is the control that separates
         # what saving the SDPA outputs costs from what the other checkpoint implementation costs.
         arms.append(dict(label="non-reentrant recompute", kind="non_reentrant", stashed=0))
         arms.append(dict(label=f"stash {full}, non-reentrant", kind="stash_nr", stashed=full))
-        arms.append(dict(label="selective AC (SDPA)", kind="selective", stashed=0))
+        arms.append(dict(label="selective AC (TRL)", kind="selective", stashed=0))
     # A global warm-up, untimed: first-use costs (allocator growth, kernel and library initialization) would otherwise
     # land on the first arm, the plain one. One step of each checkpointing kind. Compiled, each run's own first steps
     # compile and warm up.
@@ -1255,6 +1322,12 @@ def main(argv=None):
                 },
                 file,
                 indent=2)
+    for row in by_arm:
+        if row["kind"] == "selective":
+            print(f"{row['label']}: {row['selective_source']}, non-reentrant (its one mode)")
+    if by_arm[0]["attention_forwards_in_backward"] is not None:
+        print("attention forwards in each backward (counted in each run's first step, untimed): " +
+              ", ".join(f"{row['label']} {row['attention_forwards_in_backward']}" for row in by_arm))
     print()
     padding = f"rows padded up to {settings['pad_fraction']:.0%}, " if settings["pad_fraction"] else ""
     experts = f"{settings['experts']} experts (top {settings['top_k']})"

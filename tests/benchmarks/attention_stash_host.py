@@ -1,20 +1,25 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""Host cost of the attention stash: microseconds of Python per stashed layer and training step.
+"""Host cost of the attention stash: microseconds of Python per stashed layer and training step, beside TRL's
+selective activation checkpointing, the one-flag alternative.
 
-On a tiny Llama (8 layers, hidden 32, sequence 8) the kernels cost next to nothing, so what a step costs is the host's
-work. Steps of a plain model and of the same model with the stash alternate, in pairs, on one thread, under reentrant
-and non-reentrant checkpointing (transformers' default), the two modes' pairs interleaved; the median of the paired
-differences, divided by the stashed layers, is the stash's host cost per stashed layer and step, and the two modes'
-costs are compared within the 95% confidence intervals of their medians. Timers around each layer's checkpointed
+On a tiny Llama and a tiny Qwen3-MoE (8 layers, hidden 32, sequence 8) the kernels cost next to nothing, so what a step
+costs is the host's work. Steps of a plain model and of the same model with the stash alternate, in pairs, on one
+thread, under reentrant and non-reentrant checkpointing (transformers' default), all pairs interleaved; the median of
+the paired differences, divided by the stashed layers, is the stash's host cost per stashed layer and step, and the
+two modes' costs are compared within the 95% confidence intervals of their medians. TRL's selective checkpointing
+(``gradient_checkpointing_kwargs={"selective": True}``: TRL's own where it is installed, else its policy written out,
+as the step benchmark sets it) is paired with plain non-reentrant checkpointing, its one mode, the same way: its host
+cost per layer, and the stash's against it. Timers around each layer's checkpointed
 function split it: the first pass, the recompute, and the rest of the backward. A partly stashed model shows what its
 unstashed layers pay: they must stay within noise of plain. Times are the thread's CPU time (time.thread_time), which
 a descheduled process does not accumulate; the quartiles of the paired differences are the noise, and a median outside
 them is not a result.
 
-    python tests/benchmarks/attention_stash_host.py                          # both modes, 200 pairs, about a minute
+    python tests/benchmarks/attention_stash_host.py                          # both models and modes, 200 pairs
     python tests/benchmarks/attention_stash_host.py --mode non-reentrant     # transformers' default checkpointing only
+    python tests/benchmarks/attention_stash_host.py --model llama            # one model
     python tests/benchmarks/attention_stash_host.py --profile 50             # and where the attention's time goes
 
 ``--attn flash_attention_2`` measures the stash on Hugging Face's flash-attn 2 path instead, with flash-attn's Python
@@ -124,31 +129,48 @@ def _allocating_flash_kernels():
     flash_utils.is_flash_attn_2_available = lambda *args, **kwargs: True
 
 
-def _model(stashed, reentrant):
-    from transformers import LlamaConfig, LlamaForCausalLM
+# The models, by name: the tiny shapes' class and config beyond the shared ones. Qwen3-MoE: 4 experts, top 2.
+MODELS = {"llama": "Llama", "qwen3_moe": "Qwen3-MoE"}
 
+
+def _model(family, stashed, reentrant, selective=False):
+    """A tiny model of ``family`` with per-layer checkpointing, the stash on its last ``stashed`` layers, or TRL's
+    selective checkpointing; with its pass timer."""
+    import transformers
+
+    from attention_stash_bench import selective_checkpointing
     from deepspeed.runtime.activation_checkpointing.attention_stash import install_attention_stash
 
+    shared = dict(vocab_size=128,
+                  hidden_size=32,
+                  num_hidden_layers=LAYERS,
+                  num_attention_heads=4,
+                  num_key_value_heads=2,
+                  max_position_embeddings=64,
+                  attn_implementation="sdpa")
     torch.manual_seed(0)
-    model = LlamaForCausalLM(
-        LlamaConfig(vocab_size=128,
-                    hidden_size=32,
-                    intermediate_size=64,
-                    num_hidden_layers=LAYERS,
-                    num_attention_heads=4,
-                    num_key_value_heads=2,
-                    max_position_embeddings=64,
-                    attn_implementation="sdpa"))
+    if family == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(intermediate_size=64, **shared))
+    else:
+        model = transformers.Qwen3MoeForCausalLM(
+            transformers.Qwen3MoeConfig(head_dim=8,
+                                        moe_intermediate_size=32,
+                                        num_experts=4,
+                                        num_experts_per_tok=2,
+                                        **shared))
     # Set on the built model: transformers checks for flash-attn's CUDA build when a model is made with it.
     model.config._attn_implementation = ATTENTION
+    source = None
+    if selective:
+        source = selective_checkpointing(model, {"use_reentrant": False})
     # transformers 5.23 renamed gradient_checkpointing_enable, keeping the old name as a deprecated alias.
-    if hasattr(model, "activation_checkpointing_enable"):
+    elif hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     model.train()
     handle = install_attention_stash(model, stashed) if stashed else None
-    return model, handle, _PassTimer(model)
+    return model, handle, _PassTimer(model), source
 
 
 def _step(model, timer, ids):
@@ -238,22 +260,35 @@ def _median_interval(values):
 
 
 class _Mode:
-    """The plain, fully stashed and half-stashed models of one checkpoint mode."""
+    """The plain, fully stashed and half-stashed models of one model family and checkpoint mode; under non-reentrant
+    checkpointing also TRL's selective checkpointing, which has no reentrant mode."""
 
-    def __init__(self, mode):
-        self.mode = mode
+    def __init__(self, family, mode):
+        self.family, self.mode = family, mode
         reentrant = mode == "reentrant"
-        self.plain = _model(0, reentrant)[::2]
-        full_model, self.full_handle, full_timer = _model(LAYERS, reentrant)
-        half_model, self.half_handle, half_timer = _model(LAYERS // 2, reentrant)
+        self.plain = _model(family, 0, reentrant)[::2]
+        full_model, self.full_handle, full_timer, _ = _model(family, LAYERS, reentrant)
+        half_model, self.half_handle, half_timer, _ = _model(family, LAYERS // 2, reentrant)
         self.full, self.half = (full_model, full_timer), (half_model, half_timer)
+        self.selective, self.source = None, None
+        if not reentrant:
+            selective_model, _, selective_timer, self.source = _model(family, 0, False, selective=True)
+            self.selective = (selective_model, selective_timer)
+
+    def models(self):
+        return [model for model in (self.plain, self.full, self.half, self.selective) if model is not None]
+
+    def comparisons(self):
+        """(plain, other) pairs: the fully and the half-stashed model, and selective checkpointing where it runs."""
+        return [(self.plain, model) for model in (self.full, self.half, self.selective) if model is not None]
 
     def served(self):
         return self.full_handle.recomputes_served, self.half_handle.recomputes_served
 
 
 def _report(mode, plain_step, full_cost, half_cost, target):
-    print(f"\n{mode} checkpointing: plain step {plain_step:,.0f} us ({plain_step / LAYERS:,.0f} us per layer)")
+    print(f"\n{MODELS[mode.family]}, {mode.mode} checkpointing: plain step {plain_step:,.0f} us "
+          f"({plain_step / LAYERS:,.0f} us per layer)")
     header = f"{'microseconds per stashed layer and step':<44}{'median':>10}{'quartiles':>22}"
     print(header)
     print("-" * len(header))
@@ -268,8 +303,31 @@ def _report(mode, plain_step, full_cost, half_cost, target):
     print(f"4 of 8 stashed: the 4 unstashed layers pay {unstashed:+.1f} us each against plain (noise, the quartile "
           f"range per layer: {noise:.1f} us): {'within' if abs(unstashed) <= noise else 'OUTSIDE'} noise")
     cost = full_cost["step"][0] / LAYERS
-    print(f"host cost of the stash, {mode}: {cost:.0f} us per stashed layer and step, "
+    print(f"host cost of the stash, {mode.mode}: {cost:.0f} us per stashed layer and step, "
           f"{'within' if cost <= target else 'over'} the {target:.0f} us target")
+
+
+def _ratio(subject, base, target):
+    """``subject``'s median over ``base``'s (paired costs), the lowest and highest ratio their medians' 95% intervals
+    allow, and the verdict against ``target``: within it, over it, or UNRESOLVED where the interval spans it."""
+    (median, *_, low_s, high_s), (base_median, *_, low_b, high_b) = subject["step"], base["step"]
+    low, high = (low_s / high_b, high_s / low_b) if low_b > 0 else (math.nan, math.nan)
+    verdict = ("within" if high <= target else "over" if low > target else "UNRESOLVED by the noise against")
+    return median / base_median, low, high, verdict
+
+
+def _report_selective(mode, stash_costs, selective_cost, target):
+    """TRL's selective checkpointing against plain non-reentrant checkpointing, and the stash against it in each mode
+    measured (per stashed layer for the stash, per checkpointed layer for selective: both per layer of the model)."""
+    median, low, high = (value / LAYERS for value in selective_cost["step"][:3])
+    print(f"{MODELS[mode.family]}, TRL's selective checkpointing ({mode.source}; non-reentrant only: TRL has no "
+          f"reentrant mode): {median:,.1f} us per layer and step over plain non-reentrant (quartiles {low:,.1f} to "
+          f"{high:,.1f})")
+    for stash_mode, cost in stash_costs:
+        ratio, low, high, verdict = _ratio(cost, selective_cost, target)
+        print(f"the stash ({stash_mode}) against selective: {cost['step'][0] / LAYERS:,.1f} against {median:,.1f} us "
+              f"per layer and step, {ratio:.3f} times ({low:.3f} to {high:.3f} from the medians' 95% intervals): "
+              f"{verdict} the {target:g} times target")
 
 
 def main(argv=None):
@@ -281,6 +339,10 @@ def main(argv=None):
                         type=float,
                         default=1.5,
                         help="the most the non-reentrant cost may be, in multiples of the reentrant cost")
+    parser.add_argument("--selective-target",
+                        type=float,
+                        default=0.1,
+                        help="the most the stash's host cost per layer may be, in multiples of selective's")
     parser.add_argument("--profile",
                         type=int,
                         default=0,
@@ -290,6 +352,10 @@ def main(argv=None):
                         choices=["both", "reentrant", "non-reentrant"],
                         default="both",
                         help="the checkpointing of the models, plain and stashed: both modes interleaved by default")
+    parser.add_argument("--model",
+                        choices=["both", *MODELS],
+                        default="both",
+                        help="the models: a tiny Llama and a tiny Qwen3-MoE by default, their pairs interleaved")
     parser.add_argument("--attn",
                         choices=["sdpa", "flash_attention_2"],
                         default="sdpa",
@@ -306,42 +372,84 @@ def main(argv=None):
     import transformers
 
     ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(0))
-    modes = [_Mode(mode) for mode in (["reentrant", "non-reentrant"] if args.mode == "both" else [args.mode])]
+    families = list(MODELS) if args.model == "both" else [args.model]
+    modes = [
+        _Mode(family, mode) for family in families
+        for mode in (["reentrant", "non-reentrant"] if args.mode == "both" else [args.mode])
+    ]
     for _ in range(args.warmup):
         for mode in modes:
-            for model in (mode.plain, mode.full, mode.half):
+            for model in mode.models():
                 _step(*model, ids)
     gc.collect()
     served = [mode.served() for mode in modes]
     plain_steps = [
         statistics.median(_step(*mode.plain, ids)["step"] for _ in range(args.pairs // 4)) * 1e6 for mode in modes
     ]
-    costs = _paired([(mode.plain, model) for mode in modes for model in (mode.full, mode.half)], ids, args.pairs)
+    pairs = [pair for mode in modes for pair in mode.comparisons()]
+    costs = iter(_paired(pairs, ids, args.pairs))
+    by_mode = [[next(costs) for _ in mode.comparisons()] for mode in modes]
     for mode, before in zip(modes, served):
         got = tuple(after - start for after, start in zip(mode.served(), before))
         if got != (LAYERS * args.pairs, LAYERS // 2 * args.pairs):
             sys.exit(f"attention_stash_host needs every recompute served, got {got} in {mode.mode} checkpointing, "
                      f"of {(LAYERS * args.pairs, LAYERS // 2 * args.pairs)}.")
 
-    print(f"attention stash host cost: Llama {LAYERS} layers, hidden 32, sequence 8, attn_implementation "
-          f"\"{ATTENTION}\", one thread, {args.pairs} paired steps per comparison, interleaved; torch "
-          f"{torch.__version__}, transformers {transformers.__version__}")
-    for index, mode in enumerate(modes):
-        _report(mode.mode, plain_steps[index], costs[2 * index], costs[2 * index + 1], args.target)
-    if len(modes) == 2:
-        (reentrant, *_, low_r, high_r), (non_reentrant, *_, low_n, high_n) = costs[0]["step"], costs[2]["step"]
-        ratio = non_reentrant / reentrant
-        # The lowest and highest ratio the two medians' 95% intervals allow.
-        low, high = (low_n / high_r, high_n / low_r) if low_r > 0 else (math.nan, math.nan)
-        verdict = ("within" if high <= args.ratio_target else
-                   "over" if low > args.ratio_target else "UNRESOLVED by the noise against")
-        print(f"\nnon-reentrant against reentrant: {ratio:.2f} times the host cost per stashed layer and step "
-              f"({low:.2f} to {high:.2f} from the medians' 95% intervals): {verdict} the {args.ratio_target:.1f} "
-              f"times target")
+    print(f"attention stash host cost: {' and '.join(MODELS[family] for family in families)}, {LAYERS} layers, hidden "
+          f"32, sequence 8, attn_implementation \"{ATTENTION}\", one thread, {args.pairs} paired steps per "
+          f"comparison, interleaved; torch {torch.__version__}, transformers {transformers.__version__}")
+    if args.mode == "reentrant":
+        print("TRL's selective checkpointing is left out: it has no reentrant mode.")
+    summary = []
+    for family in families:
+        family_modes = [(mode, mode_costs, plain_step)
+                        for mode, mode_costs, plain_step in zip(modes, by_mode, plain_steps) if mode.family == family]
+        for mode, mode_costs, plain_step in family_modes:
+            _report(mode, plain_step, mode_costs[0], mode_costs[1], args.target)
+        stash_costs = [(mode.mode, mode_costs[0]) for mode, mode_costs, _ in family_modes]
+        if len(family_modes) == 2:
+            ratio, low, high, verdict = _ratio(stash_costs[1][1], stash_costs[0][1], args.ratio_target)
+            print(f"\nnon-reentrant against reentrant: {ratio:.2f} times the host cost per stashed layer and step "
+                  f"({low:.2f} to {high:.2f} from the medians' 95% intervals): {verdict} the {args.ratio_target:.1f} "
+                  f"times target")
+        selective = [(mode, mode_costs[2]) for mode, mode_costs, _ in family_modes if mode.selective is not None]
+        row = {
+            "model": MODELS[family],
+            "plain": {
+                m.mode: p / LAYERS
+                for m, _, p in family_modes
+            },
+            "stash": {
+                m.mode: c[0]["step"][0] / LAYERS
+                for m, c, _ in family_modes
+            }
+        }
+        if selective:
+            mode, selective_cost = selective[0]
+            print()
+            _report_selective(mode, stash_costs, selective_cost, args.selective_target)
+            row["selective"] = selective_cost["step"][0] / LAYERS
+        summary.append(row)
+    _summary(summary)
     if args.profile:
         for mode in modes:
-            print(f"\n{mode.mode} checkpointing:")
+            print(f"\n{MODELS[mode.family]}, {mode.mode} checkpointing:")
             _profile([("plain", mode.plain), (f"all {LAYERS} stashed", mode.full)], ids, args.profile)
+
+
+def _summary(rows):
+    """One line per model: the plain step's host time per layer, and the host cost per layer and step of TRL's
+    selective checkpointing and of the stash in each mode (medians of the paired differences)."""
+    print("\nhost cost per layer and step (us; medians of paired differences; plain: the whole step per layer)")
+    columns = ("plain (reentrant)", "plain (non-reentrant)", "selective (TRL)", "stash (reentrant)",
+               "stash (non-reentrant)")
+    header = f"{'model':<12}" + "".join(f"{column:>23}" for column in columns)
+    print(header)
+    print("-" * len(header))
+    for row in rows:
+        cells = (row["plain"].get("reentrant"), row["plain"].get("non-reentrant"), row.get("selective"),
+                 row["stash"].get("reentrant"), row["stash"].get("non-reentrant"))
+        print(f"{row['model']:<12}" + "".join(f"{'-' if cell is None else f'{cell:,.1f}':>23}" for cell in cells))
 
 
 if __name__ == "__main__":

@@ -327,8 +327,8 @@ class Report:
             f"Suite: `{self.meta.get('suite', '?')}`. GPU tests are those whose name matches "
             f"`{GPU_TESTS.pattern}`: cuDNN, flash and memory-efficient attention forced in turn, MHA and GQA, "
             f"causal and padded, the replay against autograd (and its CPU case), the CUDA two-layer step, "
-            f"a model loaded by from_pretrained at its defaults and trained on CUDA, and the AutoEP engine step. Non-reentrant checkpointing on CUDA runs in the benchmark's "
-            f"non-reentrant arms.", "")
+            f"a model loaded by from_pretrained at its defaults and trained on CUDA, and the AutoEP engine step. "
+            f"Non-reentrant checkpointing on CUDA runs in the benchmark's non-reentrant arms.", "")
         rest = []
         for leg, _ in LEGS:
             step = f"suite-{leg}"

@@ -54,7 +54,7 @@ def test_bench_arms_agree_and_keep_the_formula(bench, tmp_path, capsys):
     arms = {arm["label"]: arm for arm in result["arms"]}
     assert list(arms) == [
         "plain recompute", "stash 1 layers", "stash 2 layers", "non-reentrant recompute", "stash 2, non-reentrant",
-        "selective AC (SDPA)"
+        "selective AC (TRL)"
     ]
     # Each arm ran twice from the same weights on the same batches: the CPU losses are bitwise equal.
     assert result["loss_cross_arm"] == 0 and result["loss_repeat_noise"] == 0
@@ -71,7 +71,26 @@ def test_bench_arms_agree_and_keep_the_formula(bench, tmp_path, capsys):
     assert arms["stash 2, non-reentrant"]["baseline"] == "non-reentrant recompute"
     out = capsys.readouterr().out
     table = out.rsplit("\n\n", 3)
-    assert "arms agree" in table[-1] and "selective AC (SDPA)" in table[-3]
+    assert "arms agree" in table[-1] and "selective AC (TRL)" in table[-3]
+    # TRL's own selective checkpointing (requirements-dev.txt installs TRL), named above the table and in the JSON.
+    import trl
+
+    source = f"TRL {trl.__version__}'s enable_selective_activation_checkpointing"
+    assert f"\nselective AC (TRL): {source}, non-reentrant (its one mode)\n" in out
+    assert arms["selective AC (TRL)"]["selective_source"] == source
+    # Every recompute ran the attention forwards of its unstashed layers only, selective's none.
+    forwards = {label: arm["attention_forwards_in_backward"] for label, arm in arms.items()}
+    assert forwards == {
+        "plain recompute": 2,
+        "stash 1 layers": 1,
+        "stash 2 layers": 0,
+        "non-reentrant recompute": 2,
+        "stash 2, non-reentrant": 0,
+        "selective AC (TRL)": 0
+    }
+    assert ("attention forwards in each backward (counted in each run's first step, untimed): plain recompute 2, "
+            "stash 1 layers 1, stash 2 layers 0, non-reentrant recompute 2, stash 2, non-reentrant 0, selective AC "
+            "(TRL) 0\n") in out
     # The two values of each arm's first numbers column are named, and every comparison against plain carries its
     # noise (the plain row itself has none).
     title, header, _, *rows = table[-3].splitlines()
@@ -184,7 +203,7 @@ def test_bench_compiled_arms_serve_and_agree(bench, tmp_path, capsys, monkeypatc
         assert before < after[0] == after[1] == after[2], graphs_at_step
     assert (tmp_path / "bench.png").stat().st_size > 0
     out = capsys.readouterr().out
-    assert "Left out: the reentrant arms" in out and "selective AC (SDPA)," in out
+    assert "Left out: the reentrant arms" in out and "selective AC (TRL)," in out
     title, header, _, *rows = out.rsplit("\n\n", 3)[-3].splitlines()
     model = "Qwen3-MoE 2 layers, 2 experts (top 2)" if FORWARD_LAYOUT else "Llama 2 dense layers"
     assert title.startswith(f"attention stash benchmark: {model}, sequence 64, micro-batch ")
@@ -213,6 +232,47 @@ def test_bench_fails_a_compiled_stash_that_does_not_serve(bench, monkeypatch):
             ["--compile", *COMPILED_MODEL, "--layers", "2", "--sequence", "64", "--steps", "1", "--experts", "2"])
 
 
+@on_cpu_accelerator
+def test_bench_fails_a_selective_arm_that_recomputes_attention(bench, monkeypatch):
+    """A selective arm whose policy did not take (plain non-reentrant checkpointing under its name, as where a wrapper
+    of TRL's is bypassed) would time plain recompute as selective checkpointing: the run stops at its first step."""
+
+    def plain_instead(model, kwargs):
+        bench._checkpointing(model, kwargs)
+        return "plain non-reentrant checkpointing"
+
+    monkeypatch.setattr(bench, "selective_checkpointing", plain_instead)
+    with pytest.raises(RuntimeError,
+                       match=r"attention_stash_bench needs selective AC \(TRL\) to run 0 attention forwards in each "
+                       r"backward, got 2: its recompute ran attention it should have saved\."):
+        bench.main(["--layers", "2", "--sequence", "64", "--steps", "1", "--experts", "2"])
+
+
+def test_trls_policy_written_out_saves_what_trls_own_saves(bench, monkeypatch):
+    """Without TRL the benchmarks write its policy out: on a tiny Llama, TRL's own selective checkpointing and the
+    written-out one train bitwise alike, and neither recompute runs an attention forward."""
+    from attention_stash_helpers import CPU_FORWARD, batch_ids, counted_step, llama_model
+
+    import trl
+
+    steps = []
+    for installed in (True, False):
+        if not installed:
+            monkeypatch.setitem(sys.modules, "trl", None)  # import trl raises ImportError, as where it is missing
+        model = llama_model()
+        source = bench.selective_checkpointing(model, {"use_reentrant": False})
+        assert source == (f"TRL {trl.__version__}'s enable_selective_activation_checkpointing"
+                          if installed else "TRL's policy written out (TRL is not installed)")
+        # TRL's wrapper is gone again: a later enable is plain.
+        assert "gradient_checkpointing_enable" not in vars(model)
+        ids = batch_ids()
+        steps.append(counted_step(model.train(), dict(input_ids=ids, labels=ids)))
+    (loss, grads, calls), (written_loss, written_grads, written_calls) = steps
+    assert calls[CPU_FORWARD] == written_calls[CPU_FORWARD] == 0
+    assert torch.equal(loss, written_loss) and grads.keys() == written_grads.keys()
+    assert all(torch.equal(grads[name], written_grads[name]) for name in grads)
+
+
 @pytest.mark.parametrize("options, message", [
     (["--warmup", "1"], "--compile needs at least 2 warm-up steps: the first compiles, the second measures memory"),
     (["--autoep"], "--compile takes no --sequence-parallel and no --autoep"),
@@ -236,7 +296,7 @@ def _fake_runs(bench, device, saved_ms, spread_ms=1.0):
         dict(label="stash 8 layers", kind="stash", stashed=8),
         dict(label="non-reentrant recompute", kind="non_reentrant", stashed=0),
         dict(label="stash 8, non-reentrant", kind="stash_nr", stashed=8),
-        dict(label="selective AC (SDPA)", kind="selective", stashed=0),
+        dict(label="selective AC (TRL)", kind="selective", stashed=0),
     ]
     base = {"plain": 1000.0, "non_reentrant": 1010.0, "selective": 995.0}
     runs = []
@@ -246,14 +306,22 @@ def _fake_runs(bench, device, saved_ms, spread_ms=1.0):
         else:
             median = base[arm["kind"]]
         runs.append((arm["label"], {
-            "recomputes_served": arm["stashed"] * 8,
+            "recomputes_served":
+            arm["stashed"] * 8,
             "times_ms": [median - spread_ms, median, median + spread_ms],
-            "median_ms": median,
+            "median_ms":
+            median,
             "losses": [2.5] * 8,
-            "kept_bytes": arm["stashed"] * 136_314_880,
-            "peak_allocated_bytes": 60 * 2**30 + arm["stashed"] * 136_314_880 if device == "cuda" else None,
-            "peak_rss_bytes": None if device == "cuda" else 2**30,
-            "peak_live_bytes": None if device == "cuda" else 2**29 + arm["stashed"] * 136_314_880,
+            "kept_bytes":
+            arm["stashed"] * 136_314_880,
+            "peak_allocated_bytes":
+            60 * 2**30 + arm["stashed"] * 136_314_880 if device == "cuda" else None,
+            "peak_rss_bytes":
+            None if device == "cuda" else 2**30,
+            "peak_live_bytes":
+            None if device == "cuda" else 2**29 + arm["stashed"] * 136_314_880,
+            "selective_source":
+            "TRL 1.16.0's enable_selective_activation_checkpointing" if arm["kind"] == "selective" else None,
         }))
     return settings, arms, runs
 
@@ -290,7 +358,9 @@ def test_report_of_a_gpu_run(bench, tmp_path):
     # Differences of 2.2 ms and more against an interquartile range of 1.5 ms: every comparison is a result.
     assert table.count("UNRESOLVED") == 1  # the legend's
     assert "stash 8, non-reentrant against stash 8 layers (reentrant): step time +1.0% ± 0.2%\n" in table
-    assert "stash 8 layers against selective AC (SDPA): step time -0.2% ± 0.2%, peak alloc +1,040.0 ± 0.0 MiB" in table
+    assert "stash 8 layers against selective AC (TRL): step time -0.2% ± 0.2%, peak alloc +1,040.0 ± 0.0 MiB" in table
+    assert ("stash 8, non-reentrant against selective AC (TRL): step time +0.8% ± 0.2%, peak alloc +1,040.0 ± 0.0 MiB"
+            in table)
     stashed = next(row for row in by_arm if row["label"] == "stash 8 layers")
     assert stashed["peak_rss_bytes"] is None and stashed["peak_allocated_bytes"] == 60 * 2**30 + 8 * 136_314_880
     assert (stashed["vs_plain"], stashed["vs_plain_verdict"]) == (pytest.approx(-0.0072), None)
@@ -321,7 +391,8 @@ def test_report_calls_comparisons_within_the_noise_unresolved(bench, tmp_path):
         assert re.search(r" [+-]\d+\.\d% ± \d+\.\d% UNRESOLVED ", row), row
     assert table.count("= UNRESOLVED: within the noise") == 3
     assert "stash 8, non-reentrant against stash 8 layers (reentrant): step time +1.0% ± 15.1% UNRESOLVED\n" in table
-    assert "stash 8 layers against selective AC (SDPA): step time -0.2% ± 15.1% UNRESOLVED, peak live" in table
+    assert "stash 8 layers against selective AC (TRL): step time -0.2% ± 15.1% UNRESOLVED, peak live" in table
+    assert "stash 8, non-reentrant against selective AC (TRL): step time +0.8% ± 15.1% UNRESOLVED, peak live" in table
     assert all(row["vs_plain_verdict"] == "UNRESOLVED" for row in by_arm if row["kind"] != "plain")
     figure = bench.plot(str(tmp_path / "bench.png"), settings, by_arm)
     (times, hollow, texts), (_, memory_hollow, _) = _plotted(figure)
@@ -357,8 +428,11 @@ def test_report_calls_a_saving_beyond_the_attention_forward_noisy(bench):
 
 
 def test_host_benchmark_runs_and_counts_what_it_served(capsys):
-    """Bookkeeping only: the host benchmark's few pairs run in both modes, every recompute is served, the tables and
-    the modes' comparison come out."""
+    """Bookkeeping only: the host benchmark's few pairs run on both models in both modes beside TRL's selective
+    checkpointing (TRL's own: requirements-dev.txt installs it), every recompute is served, the tables, the modes'
+    comparison, the stash against selective and the summary come out."""
+    import trl
+
     sys.path.insert(0, BENCHMARKS)
     try:
         import attention_stash_host
@@ -366,22 +440,54 @@ def test_host_benchmark_runs_and_counts_what_it_served(capsys):
     finally:
         sys.path.remove(BENCHMARKS)
     out = capsys.readouterr().out
-    for mode in ("reentrant", "non-reentrant"):
-        section = out.partition(f"\n{mode} checkpointing: plain step")[2]
-        for part in ("all 8 stashed: step", "first pass", "recompute", "backward other", "4 unstashed layers pay"):
-            assert part in section
-        assert f"host cost of the stash, {mode}:" in section
-    assert "non-reentrant against reentrant: " in out and "times target" in out
-    # The profiles, reentrant then non-reentrant: plain runs F.sdpa's kernel in both passes; the stash runs it once and
-    # applies its node in the recompute (reentrant), or in both passes (non-reentrant, whose first pass records its
-    # graph). Each row: a part, then per model "<calls> x, <us>" or "-".
+    assert out.startswith("attention stash host cost: Llama and Qwen3-MoE, 8 layers")
+    for model in ("Llama", "Qwen3-MoE"):
+        for mode in ("reentrant", "non-reentrant"):
+            section = out.partition(f"\n{model}, {mode} checkpointing: plain step")[2]
+            for part in ("all 8 stashed: step", "first pass", "recompute", "backward other", "4 unstashed layers pay"):
+                assert part in section
+            assert f"host cost of the stash, {mode}:" in section
+        selective = out.partition(f"\n{model}, TRL's selective checkpointing (TRL {trl.__version__}'s "
+                                  f"enable_selective_activation_checkpointing; non-reentrant only: TRL has no "
+                                  f"reentrant mode): ")[2]
+        assert re.match(r"[\d,]+\.\d us per layer and step over plain non-reentrant", selective)
+        for mode in ("reentrant", "non-reentrant"):
+            assert re.search(
+                rf"\nthe stash \({mode}\) against selective: [\d,.]+ against [\d,.]+ us per layer and step, "
+                r"\d\.\d{3} times \(.* from the medians' 95% intervals\): (within|over|UNRESOLVED by the noise "
+                r"against) the 0\.1 times target", selective)
+    assert out.count("non-reentrant against reentrant: ") == 2 and "times target" in out
+    summary = out.partition("\nhost cost per layer and step (us;")[2].splitlines()
+    assert summary[1].split() == [
+        "model", "plain", "(reentrant)", "plain", "(non-reentrant)", "selective", "(TRL)", "stash", "(reentrant)",
+        "stash", "(non-reentrant)"
+    ]
+    for line, model in zip(summary[3:5], ("Llama", "Qwen3-MoE")):
+        cells = line.split()
+        assert cells[0] == model and len(cells) == 6 and all(re.match(r"-?[\d,]+\.\d$", c) for c in cells[1:])
+    # The profiles, per model reentrant then non-reentrant: plain runs F.sdpa's kernel in both passes; the stash runs
+    # it once and applies its node in the recompute (reentrant), or in both passes (non-reentrant, whose first pass
+    # records its graph). Each row: a part, then per model "<calls> x, <us>" or "-".
     profiles = out.split("\nattention's own work per layer and step")[1:]
-    assert len(profiles) == 2
-    for profile, nodes in zip(profiles, ("1", "2")):
+    assert len(profiles) == 4
+    for profile, nodes in zip(profiles, ("1", "2") * 2):
         rows = {line[:34].strip(): line[34:].split() for line in profile.splitlines()[3:8]}
         assert rows["fused forward kernel"][0:4:3] == ["2", "1"]
         assert rows["stash's node"][:2] == ["-", nodes]
         assert rows["attention node in the backward"][0:4:3] == ["1", "1"]
+
+
+def test_host_benchmark_leaves_selective_out_of_reentrant_runs(capsys):
+    """--mode reentrant: TRL's selective checkpointing has no reentrant mode, and the benchmark says so."""
+    sys.path.insert(0, BENCHMARKS)
+    try:
+        import attention_stash_host
+        attention_stash_host.main(["--pairs", "4", "--warmup", "1", "--mode", "reentrant", "--model", "llama"])
+    finally:
+        sys.path.remove(BENCHMARKS)
+    out = capsys.readouterr().out
+    assert "\nTRL's selective checkpointing is left out: it has no reentrant mode.\n" in out
+    assert "against selective" not in out and "\nLlama, reentrant checkpointing: plain step" in out
 
 
 @on_cpu_accelerator

@@ -98,7 +98,7 @@ def test_gpu_check_dry_run(tmp_path):
 
     benchmark = _section(report, "## Benchmark")
     for arm in ("plain recompute", "stash 1 layers", "stash 2 layers", "non-reentrant recompute",
-                "stash 2, non-reentrant", "selective AC (SDPA)"):
+                "stash 2, non-reentrant", "selective AC (TRL)"):
         assert re.match(r"[\d,]+\.\d$", _row(benchmark, arm)[2]), arm
     assert re.search(r"Attention forward \(the benchmark's op-level gate.*\): \d+\.\d+ ms per layer", benchmark)
     assert "arms agree" in benchmark

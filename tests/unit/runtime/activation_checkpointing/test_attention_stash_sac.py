@@ -102,3 +102,115 @@ def test_stash_under_the_policy(install, model_name):
     assert _kernel_calls(both) == [(NUM_LAYERS, 0)] * STEPS
     assert handle.recomputes_served == NUM_LAYERS * STEPS
     _assert_same_training(both, plain)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# TRL's selective checkpointing (gradient_checkpointing_kwargs={"selective": True}), the one-flag alternative, and the
+# stash on the same model: the stash serves every recompute, and each keeps its own copy of every stashed layer's
+# attention output and log-sum-exp from the forward to the recompute (TRL's policy caches the kernel's outputs, which
+# the served recompute never reads), twice the stash's memory for the training selective alone gives.
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _trl_selective(model):
+    """TRL's own selective checkpointing on ``model``, as its SFTTrainer turns it on, then checkpointing enabled."""
+    import warnings
+
+    from trl.models import enable_selective_activation_checkpointing
+
+    enable_selective_activation_checkpointing(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # the deprecated name, which TRL wraps
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={})
+    return model.train()
+
+
+def _of_an_attention_output(tensor):
+    """An attention output or its log-sum-exp of the tiny models at batch 2, sequence 32 (4 heads of dimension 16)."""
+    return tuple(tensor.shape) in ((2, 4, 32, 16), (2, 4, 32))
+
+
+@pytest.mark.parametrize("order", ["stash_first", "selective_first"])
+@pytest.mark.parametrize("model_name", MAKE_MODEL)
+def test_trls_selective_and_the_stash_train_as_selective_alone(install, model_name, order):
+    """TRL's selective checkpointing and the stash, installed in either order: every step bitwise that of TRL's alone,
+    the attention forward once per layer and step, every recompute served; after the forward both copies of each
+    layer's output and log-sum-exp are alive (the stash's and TRL's), after the backward none."""
+    pytest.importorskip("trl", reason="TRL's selective checkpointing needs trl (requirements/requirements-dev.txt)")
+    from attention_stash_helpers import live_checkpoint_calls, live_tensors, tensors
+
+    make_model = MAKE_MODEL[model_name]
+    selective = _train(_trl_selective(make_model()))
+    model = make_model()
+    if order == "stash_first":
+        handle = install(model, num_layers=NUM_LAYERS)
+        _trl_selective(model)
+    else:
+        handle = install(_trl_selective(model), num_layers=NUM_LAYERS)
+    assert model.model.layers[0].__dict__["_gradient_checkpointing_func"].keywords["context_fn"] is not None
+    both = _train(model, handle)
+    assert _kernel_calls(selective) == _kernel_calls(both) == [(NUM_LAYERS, 0)] * STEPS
+    _assert_same_training(both, selective)
+
+    before = tensors()
+    ids = batch_ids(seed=STEPS + 1)
+    loss = model(input_ids=ids, labels=ids).loss
+    # Per layer: the stash's output and log-sum-exp, and TRL's cached copies of both.
+    assert len(live_tensors(before, counted=_of_an_attention_output)) == 2 * 2 * NUM_LAYERS
+    assert handle.num_kept == NUM_LAYERS
+    loss.backward()
+    del loss
+    assert live_tensors(before, counted=_of_an_attention_output) == [] and live_checkpoint_calls() == []
+    assert handle.recomputes_served == (STEPS + 1) * NUM_LAYERS
+
+
+@pytest.mark.parametrize("order", ["stash_first", "selective_first"])
+def test_sft_trainer_with_selective_and_the_stash(install, tmp_path, order):
+    """TRL's SFTTrainer with gradient_checkpointing_kwargs={"selective": True} on CPU, the stash installed before the
+    trainer is made or after (both before train(), which turns checkpointing on): the parameters after two steps are
+    bitwise those of the same run without the stash, every recompute served, nothing kept after."""
+    pytest.importorskip("trl", reason="TRL's SFTTrainer needs trl (requirements/requirements-dev.txt)")
+    import datasets
+    from accelerate.state import AcceleratorState
+    from trl import SFTConfig, SFTTrainer
+
+    from attention_stash_helpers import live_checkpoint_calls
+    from test_attention_stash_readme import VOCAB_SIZE, token_rows, word_level_tokenizer
+
+    rows = datasets.Dataset.from_dict({"input_ids": [ids.tolist() for ids in token_rows()]})
+
+    def train(stashed):
+        model, handle = llama_model(), None
+        if stashed and order == "stash_first":
+            handle = install(model, NUM_LAYERS)
+        arguments = SFTConfig(output_dir=str(tmp_path / str(stashed)),
+                              gradient_checkpointing=True,
+                              gradient_checkpointing_kwargs={"selective": True},
+                              per_device_train_batch_size=2,
+                              max_steps=2,
+                              bf16=False,
+                              use_cpu=True,
+                              report_to=[],
+                              save_strategy="no",
+                              disable_tqdm=True)
+        trainer = SFTTrainer(model=model,
+                             args=arguments,
+                             train_dataset=rows,
+                             processing_class=word_level_tokenizer(VOCAB_SIZE))
+        if stashed and order == "selective_first":
+            handle = install(model, NUM_LAYERS)
+        with CountOps() as counted:
+            trainer.train()
+        AcceleratorState._reset_state(reset_partial_state=True)
+        # TRL's policy on every layer, non-reentrant.
+        keywords = model.model.layers[0].__dict__["_gradient_checkpointing_func"].keywords
+        assert keywords["use_reentrant"] is False and keywords["context_fn"] is not None
+        # The attention forward in each layer's first pass only, with the stash or without.
+        assert counted.calls[CPU_FORWARD] == 2 * NUM_LAYERS
+        return {name: param.detach().clone() for name, param in model.named_parameters()}, handle
+
+    alone, _ = train(False)
+    both, handle = train(True)
+    assert_same_grads(both, alone)
+    assert (handle.recomputes_served, handle.num_kept, handle.kept_bytes) == (2 * NUM_LAYERS, 0, 0)
+    assert live_checkpoint_calls() == []
