@@ -426,7 +426,8 @@ def test_at_dynamos_defaults_kernels_wrapper_is_named_and_its_setting_serves(ins
             r"checkpoints run eagerly too\. Set torch\._dynamo\.config\.skip_fwd_side_effects_in_bwd_under_checkpoint "
             r"= True \(the recompute then skips setting that variable and resetting it, which leave nothing behind\), "
             r"or remove the stash \(handle\.remove\(\)\)\.", str(error))
-        assert handle.compiled_layers == () and handle.num_kept == 0
+        # Refused mid-step: nothing kept.
+        assert handle.compiled_layers == () and handle.num_kept == 0 and live_checkpoint_calls() == []
     with serving:
         plain_losses, plain_grads, plain = compiled_steps(checkpointed(llama_model(), use_reentrant=False), batch, 1)
         losses, grads, graphs = compiled_steps(model, batch, 1)
