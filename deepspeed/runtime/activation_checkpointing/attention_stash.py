@@ -136,29 +136,33 @@ class _FlashArguments:
     num_splits: int = 1
     pack_gqa: bool = None
     sm_margin: int = 0
-    # vLLM's flash-attn 3's attention sinks (gpt-oss's), which its backward gives no gradient.
+    # vLLM's flash-attn 3's attention sinks (gpt-oss's): in each row's normaliser, so in the log-sum-exp its backward
+    # takes, which gives them no gradient.
     s_aux: torch.Tensor = None
-    # The cu_seqlens' version counters at the call: a padding-free collator's reach both passes as the same tensors.
+    # The cu_seqlens' and sinks' version counters at the call: a padding-free collator's reach both passes as the same
+    # tensors.
     versions: tuple = None
 
     def __post_init__(self):
-        if self.cu_seqlens_q is not None:
-            self.versions = (self.cu_seqlens_q._version, self.cu_seqlens_k._version)
+        if self.cu_seqlens_q is not None or self.s_aux is not None:
+            self.versions = tuple(t if t is None else t._version for t in (self.cu_seqlens_q, self.cu_seqlens_k,
+                                                                          self.s_aux))
 
     def differing(self, other):
-        """As _SdpaArguments.differing; cu_seqlens by value, or by version where both passes got the same tensor."""
+        """As _SdpaArguments.differing; cu_seqlens and sinks by value, or by version where both passes got the same
+        tensor (frozen sinks cast to the query's dtype are a new tensor in each pass)."""
         for name in ("max_seqlen_q", "max_seqlen_k", "softmax_scale", "causal", "window_size", "softcap",
                      "deterministic", "dropout_p", "sm_margin"):
             if getattr(self, name) != getattr(other, name):
                 return name
         if self.alibi_slopes is not other.alibi_slopes:
             return "alibi_slopes"
-        for name, version in zip(("cu_seqlens_q", "cu_seqlens_k"), self.versions or ()):
+        for name, version in zip(("cu_seqlens_q", "cu_seqlens_k", "s_aux"), self.versions or ()):
             ours, theirs = getattr(self, name), getattr(other, name)
             if ours is theirs:
-                if theirs._version != version:
+                if theirs is not None and theirs._version != version:
                     return f"{name} (changed in place)"
-            elif ours.shape != theirs.shape or not torch.equal(ours, theirs):
+            elif theirs is None or ours is None or ours.shape != theirs.shape or not torch.equal(ours, theirs):
                 return name
         return None
 
@@ -166,8 +170,8 @@ class _FlashArguments:
         if name.startswith(("cu_seqlens", "max_seqlen")):
             return ("Keep the batch's packing, padding, position_ids and cu_seq_lens the same from a forward to its "
                     "backward")
-        return ("Keep flash-attn's settings (FLASH_ATTENTION_DETERMINISTIC, a layer's softcap, window and scale) the "
-                "same from a forward to its backward")
+        return ("Keep flash-attn's settings (FLASH_ATTENTION_DETERMINISTIC, a layer's softcap, window, scale and "
+                "sinks) the same from a forward to its backward")
 
     def varlen(self):
         """The varlen function's (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k); () for a plain call."""
@@ -777,12 +781,12 @@ class _CheckpointCall:
             raise AttentionStashError(f"{_FEATURE} needs flash-attn calls that return the attention output of plain "
                                       f"softmax attention alone in {self.stash.name}, got {unserved}="
                                       f"{getattr(a, unserved)!r}. Remove the stash from this layer.")
-        if a.s_aux is not None:
-            raise AttentionStashError(f"{_FEATURE} needs flash calls without attention sinks in {self.stash.name}, "
-                                      f"got s_aux (the layer's sinks, as gpt-oss passes them) for "
-                                      f"{interface.family.name}, whose backward gives the sinks no gradient. Remove "
-                                      f"the stash from layers with sinks, and train them with an implementation "
-                                      f"whose backward computes their gradient.")
+        if a.s_aux is not None and a.s_aux.requires_grad:
+            raise AttentionStashError(f"{_FEATURE} needs attention sinks that do not require grad in {self.stash.name}"
+                                      f", got s_aux (the layer's sinks, as gpt-oss passes them) that requires grad for "
+                                      f"{interface.family.name}, whose backward gives the sinks no gradient. Freeze "
+                                      f"the sinks (as LoRA does), or remove the stash from layers with sinks and train "
+                                      f"them with an implementation whose backward computes their gradient.")
         if isinstance(a.alibi_slopes, torch.Tensor) and a.alibi_slopes.requires_grad:
             raise AttentionStashError(f"{_FEATURE} needs ALiBi slopes that do not require grad in {self.stash.name}, "
                                       f"got learned ones, whose gradient flash-attn does not compute. Remove the "
@@ -1471,7 +1475,10 @@ def _compiled_contexts(key, context_fn):
                  f"functions calling compiled kernels", "Train the compiled model with sdpa, flash-attn 2 or a Hub "
                  "build whose kernel functions are such ops"),
                 (context_fn and not user_policy, "a context_fn made by create_selective_checkpoint_contexts, the one "
-                 "kind dynamo takes", repr(context_fn), "Give the checkpoint such a policy"))
+                 "kind dynamo takes", repr(context_fn), "Give the checkpoint such a policy"),
+                (torch._functorch.config.activation_memory_budget == 0, "a partitioner that saves what its policy "
+                 "must save", "torch._functorch.config.activation_memory_budget = 0, under which AOTAutograd's "
+                 "partitioner recomputes every op, the attention kernel too", "Set a budget above 0"))
     for refused, needs, got, fix in refusals:
         if refused:
             _refuse_compiled(stash, needs, got, fix)

@@ -157,13 +157,19 @@ def _scores(q, k, softmax_scale, softcap, allowed):
     return scores.masked_fill(~allowed, -math.inf), raw
 
 
-def _sequence_forward(q, k, v, softmax_scale, causal, window_size_left, window_size_right, softcap):
+def _sequence_forward(q, k, v, softmax_scale, causal, window_size_left, window_size_right, softcap, sinks=None):
     """One sequence: q [seqlen_q, heads, d], k/v [seqlen_k, kv_heads, d] -> float32 out [seqlen_q, heads, d] and
-    float32 lse [heads, seqlen_q] (+inf where a query sees no key, its output 0, as flash-attn does)."""
+    float32 lse [heads, seqlen_q] (+inf where a query sees no key, its output 0, as flash-attn does).
+
+    ``sinks`` [heads], vLLM's flash-attn 3's s_aux: each head's sink logit, unscaled, joins every row's normaliser and
+    so its log-sum-exp, as its kernel's softmax finalize_aux does (flash-attn/softmax.h); a row that sees no key gets
+    output 0 and the sink as its log-sum-exp."""
     num_heads = q.shape[1]
     allowed = _allowed_keys(q.shape[0], k.shape[0], causal, window_size_left, window_size_right)
     scores, _ = _scores(q.float().transpose(0, 1), _expand_heads(k, num_heads), softmax_scale, softcap, allowed)
-    lse = torch.logsumexp(scores, dim=-1)
+    normalised = scores if sinks is None else torch.cat(
+        (scores, sinks.float().view(-1, 1, 1).expand(-1, scores.shape[1], 1)), dim=-1)
+    lse = torch.logsumexp(normalised, dim=-1)
     no_key = torch.isneginf(lse)
     probs = torch.exp(scores - lse.masked_fill(no_key, 0.0).unsqueeze(-1))
     out = torch.matmul(probs, _expand_heads(v, num_heads))
@@ -215,7 +221,7 @@ def _copy_gradients(grads, dq, dk, dv):
 
 
 def flash_forward_cpu(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap,
-                      alibi_slopes, return_softmax):
+                      alibi_slopes, return_softmax, sinks=None):
     """flash_attn::_flash_attn_forward on CPU: q [batch, seqlen_q, heads, d], k/v [batch, seqlen_k, kv_heads, d]
     -> out (q's shape and dtype), lse float32 [batch, heads, seqlen_q], S_dmask (0,), rng_state int64 (2,)."""
     _check_supported(dropout_p, alibi_slopes, return_softmax)
@@ -223,7 +229,7 @@ def flash_forward_cpu(q, k, v, dropout_p, softmax_scale, causal, window_size_lef
     outputs, lses = [], []
     for index in range(q.shape[0]):
         out, lse = _sequence_forward(q[index], k[index], v[index], softmax_scale, causal, window_size_left,
-                                     window_size_right, softcap)
+                                     window_size_right, softcap, sinks)
         outputs.append(out)
         lses.append(lse)
     return _forward_results(q, torch.stack(outputs), torch.stack(lses))
@@ -247,7 +253,8 @@ def flash_varlen_forward_cpu(q,
                              block_table=None,
                              leftpad_k=None,
                              seqused_k=None,
-                             zero_tensors=False):
+                             zero_tensors=False,
+                             sinks=None):
     """flash_attn::_flash_attn_varlen_forward on CPU: q [total_q, heads, d], k/v [total_k, kv_heads, d], sequence i
     in rows cu_seqlens[i]:cu_seqlens[i + 1] -> out (q's shape and dtype), lse float32 [heads, total_q], S_dmask (0,),
     rng_state int64 (2,). Rows past the last sequence get output 0 and lse +inf."""
@@ -267,7 +274,7 @@ def flash_varlen_forward_cpu(q,
         out[start_q:end_q], softmax_lse[:, start_q:end_q] = _sequence_forward(q[start_q:end_q], k[start_k:end_k],
                                                                               v[start_k:end_k], softmax_scale, causal,
                                                                               window_size_left, window_size_right,
-                                                                              softcap)
+                                                                              softcap, sinks)
     return _forward_results(q, out, softmax_lse)
 
 

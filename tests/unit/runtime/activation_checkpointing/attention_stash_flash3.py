@@ -86,10 +86,10 @@ _FA2_OPS = (
     "Tensor? rng_state) -> Tensor[]",
 )
 # flash-attn 3's arguments the stand-in does not implement (num_splits, pack_gqa, sm_margin and deterministic change
-# no value it computes), vLLM's attention sinks among them.
+# no value it computes); vLLM's attention sinks (s_aux) it computes.
 _FA3_UNSUPPORTED = ("k_new", "v_new", "q_v", "cu_seqlens_k_new", "seqused_q", "seqused_k", "page_table",
                     "kv_batch_idx", "leftpad_k", "rotary_cos", "rotary_sin", "seqlens_rotary", "q_descale",
-                    "k_descale", "v_descale", "scheduler_metadata", "s_aux")
+                    "k_descale", "v_descale", "scheduler_metadata")
 _KERNEL_EXPORTS = ("flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func",
                    "flash_attn_varlen_func", "flash_attn_varlen_kvpacked_func", "flash_attn_varlen_qkvpacked_func",
                    "flash_attn_with_kvcache")
@@ -345,20 +345,21 @@ def _softmax_d(q, cu_seqlens_q):
 
 
 def _fa3_forward_cpu(q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, is_causal,
-                     window_size_left, window_size_right, softcap, **others):
+                     window_size_left, window_size_right, softcap, s_aux=None, **others):
     """flash_attn_3::fwd: out (q's shape and dtype), softmax_lse float32 (see _lse_shape), empty out_accum and
-    softmax_lse_accum."""
+    softmax_lse_accum. vLLM's fwd takes attention sinks (s_aux, one per head) into each row's normaliser and
+    log-sum-exp, as its kernel does; its bwd is flash-attn 3's, from that log-sum-exp."""
     _check_fa3(cu_seqlens_q, cu_seqlens_k, others)
     options = (0.0, _fa3_scale(q, softmax_scale), is_causal, window_size_left, window_size_right, softcap)
     if cu_seqlens_q is None:
-        result, softmax_lse, _, _ = flash_forward_cpu(q, k, v, *options, None, False)
+        result, softmax_lse, _, _ = flash_forward_cpu(q, k, v, *options, None, False, s_aux)
     else:
         result, softmax_lse, _, _ = flash_varlen_forward_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                                             max_seqlen_k, *options)
+                                                             max_seqlen_k, *options, sinks=s_aux)
     return _into(out, result), softmax_lse, *_workspaces(q, 2)
 
 
-def _fa3_forward_fake(q, out, cu_seqlens_q, cu_seqlens_k, **others):
+def _fa3_forward_fake(q, out, cu_seqlens_q, cu_seqlens_k, s_aux=None, **others):
     _check_fa3(cu_seqlens_q, cu_seqlens_k, others)
     out = torch.empty_like(q) if out is None else out
     return out, q.new_empty(_lse_shape(q, cu_seqlens_q), dtype=torch.float32), *_workspaces(q, 2)

@@ -314,6 +314,28 @@ def test_checkpointing_disabled_and_enabled_again(install, use_reentrant):
     assert_same_grads(grads, expected)
 
 
+def test_two_models_standing_aside_are_each_warned_of_once(install):
+    """Two stashed models in one process (three layers and two), checkpointing turned off on both: each model's first
+    training step warns once, naming its own layers, and neither warns again in its next step."""
+    ids = batch_ids()
+    models = [checkpointed(mixtral_model()), checkpointed(mixtral_model(num_hidden_layers=2))]
+    handles = [install(model, len(model.model.layers)) for model in models]
+    for model in models:
+        _disable(model)
+    warnings = []
+    for _ in range(2):
+        for model in models:
+            with logged_messages() as messages:
+                train_step(model, ids)
+            warnings.append(_stand_aside_warnings(messages))
+    layers = [", ".join(f"model.layers.{index}" for index in range(count)) for count in (3, 2)]
+    assert warnings == [[
+        f"attention stash: {names} run stock attention and keep nothing in training forwards without activation "
+        "checkpointing, turned off on them since it was on: no recompute to serve. Enable it again to serve them."
+    ] for names in layers] + [[], []]
+    assert [_counts(handle) for handle in handles] == [(0, 0, 0, 0)] * 2
+
+
 def test_training_refused_where_checkpointing_was_never_on(install):
     """Installed on a model whose checkpointing is off and was never on while stashed: the training forward is
     refused, not served stock, and keeps nothing."""

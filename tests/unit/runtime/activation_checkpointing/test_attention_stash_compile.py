@@ -229,6 +229,39 @@ def test_a_checkpoints_own_policy_composes_and_wins_where_it_names_an_op(install
         assert handle.compiled_layers == ()
 
 
+@pytest.mark.parametrize("budget", [0.5, 0.0])
+@pytest.mark.usefixtures("traceable_kernels")
+def test_under_an_activation_memory_budget_the_attention_stays_saved(install, budget):
+    """Under a partitioner's memory budget below 1 (torch._functorch.config.activation_memory_budget), which may
+    recompute what a policy only prefers to save, the stashed layers' attention outputs are saved as a must: bitwise
+    as compiled plain under the same budget, no attention forward in the backward graphs. At 0, where the partitioner
+    recomputes every op whatever the policy, the first compiled step is refused, naming the budget."""
+    batch = inputs(False)
+    with torch._functorch.config.patch(activation_memory_budget=budget):
+        model = checkpointed(llama_model(), use_reentrant=False)
+        handle = install(model, NUM_LAYERS)
+        if budget == 0:
+            with pytest.raises((AttentionStashError, torch._dynamo.exc.BackendCompilerFailed)) as raised:
+                compiled_steps(model, batch, steps=1)
+            error = getattr(raised.value, "inner_exception", raised.value)
+            assert isinstance(error, AttentionStashError) and (
+                "needs a partitioner that saves what its policy must save for the compiled checkpoint of "
+                "model.layers.0, got torch._functorch.config.activation_memory_budget = 0, under which AOTAutograd's "
+                "partitioner recomputes every op, the attention kernel too. Set a budget above 0, or remove the "
+                "stash (handle.remove()).") in str(error)
+            assert live_checkpoint_calls() == []
+            return
+        plain_losses, plain_grads, plain = compiled_steps(checkpointed(llama_model(), use_reentrant=False),
+                                                          batch,
+                                                          steps=1)
+        losses, grads, graphs = compiled_steps(model, batch, steps=1)
+    assert losses == plain_losses
+    assert_same_grads(grads, plain_grads)
+    assert attention_forwards(plain.backward) == NUM_LAYERS
+    assert attention_forwards(graphs.backward) == 0
+    assert handle.compiled_layers == handle.layers
+
+
 @pytest.mark.parametrize("dynamo", ["defaults", "traced"])
 @pytest.mark.parametrize("setup, message", [
     ("reentrant", "needs non-reentrant checkpointing for the compiled checkpoint of model.layers.0, got "

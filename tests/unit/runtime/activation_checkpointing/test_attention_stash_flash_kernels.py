@@ -14,7 +14,10 @@ is fetched. A stock step and a stashed one are compared bitwise, and the kernel 
 
 import dataclasses
 import functools
+import importlib
+import importlib.util
 import inspect
+import math
 import re
 import sys
 import types
@@ -243,6 +246,38 @@ def test_an_implementation_whose_functions_change_is_served_with_the_new_ones(in
     assert_same_grads(grads, expected)
 
 
+def test_an_implementation_handed_other_functions_of_the_same_names_is_served_with_them(
+        install, monkeypatch, tmp_path_factory):
+    """flash_attention_3 installed over flash-attn 3's interface, then handed functions of the same names that are
+    other objects: the interface module loaded again from its file (a reload). The next install finds the new
+    functions and serves them bitwise, not the first interface's (whose functions Hugging Face no longer hands out,
+    which the first forward would refuse)."""
+    inputs, _ = make_batch("plain")
+    use_flash_attention_3(monkeypatch)
+    model = kernel_model("llama", "flash_attention_3")
+    handle = install(model, 3)
+    model(**inputs).loss.backward()
+    assert handle.recomputes_served == 3
+    handle.remove()
+    first = sys.modules["flash_attn_interface"]
+    spec = importlib.util.spec_from_file_location("flash_attn_interface", first.__file__)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    names = ("flash_attn_func", "flash_attn_varlen_func", "_flash_attn_forward", "_flash_attn_backward")
+    assert all(getattr(module, name) is not getattr(first, name) for name in names)
+    monkeypatch.setitem(sys.modules, "flash_attn_interface", module)
+    use_flash_attention_3(monkeypatch)
+    model = kernel_model("llama", "flash_attention_3")
+    expected_loss, expected, _ = counted_step(model, inputs, kernel_op, whole_step=True)
+    with logged_messages() as messages:
+        handle = install(model, 3)
+    assert messages[-1].endswith(f'; attn_implementation "flash_attention_3" ({source("flash_attention_3")}).')
+    loss, grads, calls = counted_step(model, inputs, kernel_op, whole_step=True)
+    assert calls == {"fwd": 3, "bwd": 3} and handle.recomputes_served == 3
+    assert torch.equal(loss, expected_loss)
+    assert_same_grads(grads, expected)
+
+
 def test_two_revisions_of_a_hub_kernel_are_served_side_by_side(install, monkeypatch, tmp_path_factory):
     """Two models of one process on two revisions of one Hub kernel ("kernels-community/flash-attn2@v1" and "@v2",
     each its own attention implementation in Hugging Face's interface): each install names its revision, and both
@@ -296,13 +331,11 @@ def test_flash_attention_3_served_through_hugging_faces_hub_kernel_fallback(inst
     assert_same_grads(grads, expected)
 
 
-def test_attention_sinks_are_refused_at_the_first_forward(install, monkeypatch, tmp_path_factory):
-    """gpt-oss passes its attention sinks as s_aux, which vLLM's flash-attn 3 takes and whose backward gives them no
-    gradient: the stashed layer's first forward is refused, naming the sinks, and nothing is kept."""
+def _gpt_oss_model(repo_id, frozen_sinks, use_reentrant=True, dtype=DTYPE):
+    """A tiny gpt-oss on ``repo_id``, a sliding-window layer and a full one, whose attention sinks train or are frozen
+    (as LoRA leaves them); its attention passes them to flash calls as s_aux, cast to the query's dtype."""
     from transformers import GptOssConfig, GptOssForCausalLM
 
-    repo_id = HUBS[2]
-    use_hub_kernel(monkeypatch, tmp_path_factory, repo_id)
     torch.manual_seed(0)
     config = GptOssConfig(vocab_size=128,
                           hidden_size=64,
@@ -313,20 +346,138 @@ def test_attention_sinks_are_refused_at_the_first_forward(install, monkeypatch, 
                           head_dim=16,
                           num_local_experts=4,
                           num_experts_per_tok=2,
-                          layer_types=["full_attention"] * 2,
+                          sliding_window=8,
+                          layer_types=["sliding_attention", "full_attention"],
                           attn_implementation="eager")
-    model = GptOssForCausalLM(config).to(DTYPE)
+    model = GptOssForCausalLM(config).to(dtype)
     model.config._attn_implementation = repo_id
-    # Every layer stashed: the stand-in kernels have no sinks, so an unstashed layer could not run either.
-    handle = install(checkpointed(model), 2)
+    for layer in model.model.layers:
+        # Sinks of both signs and sizes that move each row's normaliser.
+        torch.nn.init.normal_(layer.self_attn.sinks, std=1.0)
+        layer.self_attn.sinks.requires_grad_(not frozen_sinks)
+    return checkpointed(model, use_reentrant)
+
+
+def test_attention_sinks_that_require_grad_are_refused_at_the_first_forward(install, monkeypatch, tmp_path_factory):
+    """gpt-oss passes its attention sinks as s_aux, which vLLM's flash-attn 3 takes and whose backward gives them no
+    gradient: where the sinks train, the stashed layer's first forward is refused, naming the sinks and the fix, and
+    nothing is kept."""
+    repo_id = HUBS[2]
+    use_hub_kernel(monkeypatch, tmp_path_factory, repo_id)
+    model = _gpt_oss_model(repo_id, frozen_sinks=False)
+    handle = install(model, 2)
     before = tensors()
     with pytest.raises(AttentionStashError,
-                       match=r"needs flash calls without attention sinks in model\.layers\.0, got s_aux \(the layer's "
-                       r"sinks, as gpt-oss passes them\) for vLLM's flash-attn 3, whose backward gives the sinks no "
-                       r"gradient\. Remove the stash from layers with sinks"):
+                       match=r"needs attention sinks that do not require grad in model\.layers\.0, got s_aux \(the "
+                       r"layer's sinks, as gpt-oss passes them\) that requires grad for vLLM's flash-attn 3, whose "
+                       r"backward gives the sinks no gradient\. Freeze the sinks \(as LoRA does\), or remove the "
+                       r"stash from layers with sinks"):
         model(**make_batch("plain")[0])
     assert handle.num_kept == 0 and kept_outputs() == [] and live_checkpoint_calls() == []
     assert live_tensors(before, model, counted=real_2d) == []
+
+
+@MODES
+@pytest.mark.parametrize("kind", ["plain", "packed_position_ids"])
+def test_frozen_attention_sinks_are_served(install, monkeypatch, tmp_path_factory, kind, use_reentrant):
+    """gpt-oss with frozen sinks on vLLM's flash-attn 3 (LoRA on Hopper): its backward, from the log-sum-exp the sinks
+    are in, is complete for q, k and v, so the stash serves the kept output and log-sum-exp: bitwise as the plain
+    recompute, in both modes, on a plain and a packed batch, each recompute served, nothing alive after the step."""
+    repo_id = HUBS[2]
+    use_hub_kernel(monkeypatch, tmp_path_factory, repo_id)
+    model = _gpt_oss_model(repo_id, frozen_sinks=True, use_reentrant=use_reentrant)
+    inputs, _ = make_batch(kind)
+    expected_loss, expected, stock_calls = counted_step(model, inputs, kernel_op, whole_step=True)
+    assert stock_calls == {"fwd": 4, "bwd": 2}
+    handle = install(model, 2)
+    before = tensors()
+    loss, grads, calls = counted_step(model, inputs, kernel_op, whole_step=True)
+    assert calls == {"fwd": 2, "bwd": 2} and handle.recomputes_served == 2
+    assert torch.equal(loss, expected_loss)
+    assert_same_grads(grads, expected)
+    assert not any(name.endswith("sinks") for name in grads)
+    del loss, grads
+    assert handle.num_kept == 0 and kept_outputs() == [] and live_checkpoint_calls() == []
+    assert live_tensors(before, model, counted=real_2d) == []
+
+
+@pytest.mark.parametrize("cast", [False, True], ids=["same_tensor", "cast_each_pass"])
+def test_frozen_sinks_changed_between_the_passes_are_refused(install, monkeypatch, tmp_path_factory, cast):
+    """Frozen sinks changed in place between the forward and the backward: the kept output is of the old ones, so the
+    recompute is refused, naming s_aux; so where Hugging Face hands each pass a new tensor (float32 sinks cast to the
+    bfloat16 query), compared by value."""
+    repo_id = HUBS[2]
+    use_hub_kernel(monkeypatch, tmp_path_factory, repo_id)
+    model = _gpt_oss_model(repo_id, frozen_sinks=True)
+    if cast:
+        for layer in model.model.layers:
+            layer.self_attn.sinks.data = layer.self_attn.sinks.data.float()
+    handle = install(model, 2)
+    loss = model(**make_batch("plain")[0]).loss
+    with torch.no_grad():
+        model.model.layers[1].self_attn.sinks.add_(1.0)
+    changed = "s_aux" if cast else r"s_aux \(changed in place\)"
+    with pytest.raises(AttentionStashError,
+                       match=rf"needs the recompute of model\.layers\.1 to call vLLM's flash-attn 3 "
+                       rf"\(flash_attn_func\) with its forward's arguments, got another {changed} \(attention call "
+                       rf"1\): the kept output is the forward's\. Keep flash-attn's settings \(.*sinks\) the same"):
+        loss.backward()
+    del loss
+    handle.remove()
+    assert kept_outputs() == [] and live_checkpoint_calls() == []
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["plain", "varlen"])
+def test_the_vllm_stand_in_computes_sinks_as_the_build_does(monkeypatch, tmp_path_factory, varlen):
+    """vLLM's flash-attn 3's _flash_attn_forward and _flash_attn_backward, as the mirror calls the stand-in ops, with
+    sinks, against a float64 reference that puts each head's sink logit in the softmax as gpt-oss's eager attention
+    does: the output; the log-sum-exp, with the sinks in its normaliser; dq, dk and dv from that log-sum-exp, as
+    autograd's with the sinks frozen. A causal sliding window over 6 queries and 4 keys, aligned bottom-right, leaves
+    the first two queries no key: output 0, log-sum-exp their head's sink, as the kernel's finalize_aux gives. The
+    stand-in computes in float32, the reference in float64, from the same float32 inputs: equal within 2e-6."""
+    module = importlib.import_module(use_hub_kernel(monkeypatch, tmp_path_factory, HUBS[2]).__name__ +
+                                     ".flash_attn_interface")
+    generator = torch.Generator().manual_seed(3)
+    q, dout = (torch.randn(1, 6, 4, 8, generator=generator) for _ in range(2))
+    k, v = (torch.randn(1, 4, 2, 8, generator=generator) for _ in range(2))
+    sinks, scale, window = torch.randn(4, generator=generator) * 2, 0.3, (2, 0)
+
+    def reference(q, k, v):
+        """[1, 6, 4, 8] output and [1, 4, 6] log-sum-exp, in float64."""
+        q, k, v = (t[0].transpose(0, 1).repeat_interleave(4 // t.shape[2], 0) for t in (q, k, v))
+        key, query = torch.arange(4), torch.arange(6).unsqueeze(1) - 2
+        allowed = (key <= query) & (key >= query - window[0])
+        scores = ((q @ k.transpose(1, 2)) * scale).masked_fill(~allowed, -math.inf)
+        logits = torch.cat((scores, sinks.double().view(-1, 1, 1).expand(-1, 6, 1)), dim=-1)
+        out = torch.softmax(logits, dim=-1)[..., :-1] @ v
+        return out.transpose(0, 1).unsqueeze(0), torch.logsumexp(logits, dim=-1).unsqueeze(0)
+
+    inputs = [t.double().requires_grad_() for t in (q, k, v)]
+    expected_out, expected_lse = reference(*inputs)
+    expected_grads = torch.autograd.grad(expected_out, inputs, dout.double())
+    assert torch.equal(expected_lse[0, :, :2], sinks.double().view(-1, 1).expand(-1, 2))
+    varlen_arguments = {}
+    if varlen:
+        q, k, v, dout = (t[0] for t in (q, k, v, dout))
+        cu_seqlens_q, cu_seqlens_k = torch.tensor([0, 6], dtype=torch.int32), torch.tensor([0, 4], dtype=torch.int32)
+        varlen_arguments = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=6, max_seqlen_k=4)
+    nones = dict.fromkeys(("k_new", "v_new", "qv", "out", "cu_seqlens_q", "cu_seqlens_k", "cu_seqlens_k_new",
+                           "seqused_q", "seqused_k", "max_seqlen_q", "max_seqlen_k", "page_table", "kv_batch_idx",
+                           "leftpad_k", "rotary_cos", "rotary_sin", "seqlens_rotary", "q_descale", "k_descale",
+                           "v_descale"))
+    options = dict(softmax_scale=scale, causal=True, window_size=window)
+    out, lse, *_ = module._flash_attn_forward(q, k, v, **{**nones, **varlen_arguments}, **options, s_aux=sinks)
+    grads = [torch.empty_like(t) for t in (q, k, v)]
+    backward_varlen = dict(cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None)
+    backward_varlen.update(varlen_arguments)
+    module._flash_attn_backward(dout, q, k, v, out, lse, **backward_varlen, sequed_q=None, sequed_k=None, dq=grads[0],
+                                dk=grads[1], dv=grads[2], **options)
+    if varlen:
+        out, lse, grads = out.unsqueeze(0), lse.unsqueeze(0), [grad.unsqueeze(0) for grad in grads]
+    torch.testing.assert_close(out.double(), expected_out.detach(), rtol=0, atol=2e-6)
+    torch.testing.assert_close(lse.double(), expected_lse.detach(), rtol=0, atol=2e-6)
+    for grad, expected in zip(grads, expected_grads):
+        torch.testing.assert_close(grad.double(), expected, rtol=0, atol=2e-6)
 
 
 @MODES

@@ -19,7 +19,9 @@ As in the real file:
   [cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k]) and give ``s_aux`` no gradient;
 * flash_attn_func and flash_attn_varlen_func take the real file's parameters, ``s_aux`` last.
 
-The compiled ops are attention_stash_flash3's stand-ins, defined in this build's namespace; they have no sinks.
+The compiled ops are attention_stash_flash3's stand-ins, defined in this build's namespace; ``fwd`` computes the
+sinks as the build's kernel does (flash-attn/softmax.h, finalize_aux): each head's sink logit, unscaled, in every
+row's normaliser and so in the log-sum-exp, which ``bwd`` takes, giving dq, dk and dv and no gradient for the sinks.
 """
 
 import torch
