@@ -433,7 +433,9 @@ class _LiveTensorBytes(TorchDispatchMode):
 
 def _synchronize(device):
     if device == "cuda":
-        torch.cuda.synchronize()
+        from deepspeed.accelerator import get_accelerator
+
+        get_accelerator().synchronize()
 
 
 def attention_forward_ms(settings, padding=None, repeats=7):
@@ -550,7 +552,7 @@ def run_arm(engine, initial, batches, settings, arm):
         with _compiling(settings):
             for index, batch in enumerate(batches):
                 if device == "cuda" and index == measured:
-                    torch.cuda.reset_peak_memory_stats()
+                    torch.cuda.reset_peak_memory_stats()  #ignore-cuda
                 # On CPU an untimed step measures memory: live tensor bytes and the process's resident set. Not live
                 # bytes compiled: under their dispatch mode dynamo would run the frames eagerly.
                 measure = device == "cpu" and index == measured
@@ -603,7 +605,7 @@ def run_arm(engine, initial, batches, settings, arm):
         "median_ms": statistics.median(times),
         "losses": losses,
         "kept_bytes": kept,
-        "peak_allocated_bytes": torch.cuda.max_memory_allocated() if device == "cuda" else None,
+        "peak_allocated_bytes": torch.cuda.max_memory_allocated() if device == "cuda" else None,  #ignore-cuda
         "peak_rss_bytes": peak_rss,
         "peak_live_bytes": peak_live,
         "selective_source": selective_source,
@@ -1133,10 +1135,11 @@ def sweep(args, settings, deepspeed, config, started):
         model = build_model(at) if ranks > 1 and mpu is None else None
         if model is not None:
             # ALST registers once per process, before the engines: its wrapper serves every model of its shapes.
+            import deepspeed.comm as dist
             from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 
             deepspeed.init_distributed(dist_backend="gloo" if at["device"] == "cpu" else None)
-            rank = torch.distributed.get_rank()
+            rank = dist.get_rank()
             mpu = UlyssesSPAttentionHF.register_with_transformers(model_name_or_path=model,
                                                                   core_attn_implementation="sdpa",
                                                                   sequence_parallel_size=ranks,

@@ -72,6 +72,7 @@ def probe(args):
 
     import torch
 
+    cuda_available = torch.cuda.is_available()  #ignore-cuda
     info = dict(python=sys.version.split()[0],
                 executable=sys.executable,
                 prefix=sys.prefix,
@@ -79,14 +80,14 @@ def probe(args):
                 torch=torch.__version__,
                 cuda=torch.version.cuda,
                 cudnn=_cudnn(torch.backends.cudnn.version()) if torch.backends.cudnn.is_available() else None,
-                cuda_available=torch.cuda.is_available(),
+                cuda_available=cuda_available,
                 gpu=None,
                 driver=None,
                 modules={},
                 wheels=[])
     if info["cuda_available"]:
-        info["gpu"] = torch.cuda.get_device_name(0)
-        info["capability"] = ".".join(map(str, torch.cuda.get_device_capability(0)))
+        info["gpu"] = torch.cuda.get_device_name(0)  #ignore-cuda
+        info["capability"] = ".".join(map(str, torch.cuda.get_device_capability(0)))  #ignore-cuda
     try:
         smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
                              capture_output=True,

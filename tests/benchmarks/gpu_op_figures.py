@@ -42,15 +42,15 @@ def _median_ms(function, device, warmup, repeats):
     for _ in range(warmup):
         function()
     if device == "cuda":
-        torch.cuda.synchronize()
+        torch.cuda.synchronize()  #ignore-cuda
         events = []
         for _ in range(repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)  #ignore-cuda
             start.record()
             function()
             end.record()
             events.append((start, end))
-        torch.cuda.synchronize()
+        torch.cuda.synchronize()  #ignore-cuda
         times = [start.elapsed_time(end) for start, end in events]
     else:
         times = []

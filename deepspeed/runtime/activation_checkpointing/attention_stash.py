@@ -48,8 +48,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from deepspeed.utils import log_dist, logger
 
-__all__ = ["AttentionStashError", "AttentionStashHandle", "install_attention_stash", "attention_stash_layer_bytes",
-           "attention_stash_layers_for_budget"]
+__all__ = [
+    "AttentionStashError", "AttentionStashHandle", "install_attention_stash", "attention_stash_layer_bytes",
+    "attention_stash_layers_for_budget"
+]
 
 aten = torch.ops.aten
 
@@ -145,8 +147,8 @@ class _FlashArguments:
 
     def __post_init__(self):
         if self.cu_seqlens_q is not None or self.s_aux is not None:
-            self.versions = tuple(t if t is None else t._version for t in (self.cu_seqlens_q, self.cu_seqlens_k,
-                                                                          self.s_aux))
+            self.versions = tuple(t if t is None else t._version
+                                  for t in (self.cu_seqlens_q, self.cu_seqlens_k, self.s_aux))
 
     def differing(self, other):
         """As _SdpaArguments.differing; cu_seqlens and sinks by value, or by version where both passes got the same
@@ -534,11 +536,12 @@ _FLASH_FAMILIES = (
     _FlashFamily("flash-attn 3", "flash-attn 3 as flash-attn 2.8.3's hopper interface",
                  frozenset(_FLASH3_PARAMETERS.split()), ("_flash_attn_", ), _FLASH3_FUNCTIONS,
                  (_FLASH3_FORWARD, ) * 2 + (_FLASH3_BACKWARD, ) * 2, False, 1),
-    _FlashFamily("flash-attn 3", "the Hub build kernels-community/flash-attn3",
-                 frozenset(f"{_FLASH3_PARAMETERS} return_attn_probs".split()), ("_flash_attn_", ), _FLASH3_FUNCTIONS,
-                 (_FLASH3_FORWARD.replace(" out ", " out_ ").replace(*_HUB_FLASH3_WINDOW), ) * 2 +
-                 (_FLASH3_BACKWARD.replace(" causal window_size", " is_causal window_size_left window_size_right"), ) *
-                 2, False, 1),
+    _FlashFamily(
+        "flash-attn 3", "the Hub build kernels-community/flash-attn3",
+        frozenset(f"{_FLASH3_PARAMETERS} return_attn_probs".split()), ("_flash_attn_", ), _FLASH3_FUNCTIONS,
+        (_FLASH3_FORWARD.replace(" out ", " out_ ").replace(*_HUB_FLASH3_WINDOW), ) * 2 +
+        (_FLASH3_BACKWARD.replace(" causal window_size", " is_causal window_size_left window_size_right"), ) * 2,
+        False, 1),
     _FlashFamily("vLLM's flash-attn 3", "the Hub build kernels-community/vllm-flash-attn3",
                  frozenset(_FLASH3_PARAMETERS.replace(" attention_chunk", " s_aux").split()), ("_flash_attn_", ),
                  _FLASH3_FUNCTIONS, (_VLLM_FLASH3_FORWARD, ) * 2 + (_FLASH3_BACKWARD, ) * 2, False, 1),
@@ -756,8 +759,8 @@ class _CheckpointCall:
         if torch._C._is_any_autocast_enabled():
             query, key, value, attn_mask = _autocast_inputs(query, key, value, attn_mask)
         choice = _training_choice(query, key, value, attn_mask, is_causal, scale, enable_gqa)
-        # The device's type without making a torch.device, for the devices the table serves.
-        device_type = "cuda" if query.is_cuda else "cpu" if query.is_cpu else query.device.type
+        # CPU's type without making a torch.device; any other device's type from its torch.device.
+        device_type = "cpu" if query.is_cpu else query.device.type
         ops = _BACKENDS.get((device_type, choice))
         if ops is None:
             self._raise_unlike_forward(self.calls, None, query, device_type, choice)
@@ -782,11 +785,12 @@ class _CheckpointCall:
                                       f"softmax attention alone in {self.stash.name}, got {unserved}="
                                       f"{getattr(a, unserved)!r}. Remove the stash from this layer.")
         if a.s_aux is not None and a.s_aux.requires_grad:
-            raise AttentionStashError(f"{_FEATURE} needs attention sinks that do not require grad in {self.stash.name}"
-                                      f", got s_aux (the layer's sinks, as gpt-oss passes them) that requires grad for "
-                                      f"{interface.family.name}, whose backward gives the sinks no gradient. Freeze "
-                                      f"the sinks (as LoRA does), or remove the stash from layers with sinks and train "
-                                      f"them with an implementation whose backward computes their gradient.")
+            raise AttentionStashError(f"{_FEATURE} needs attention sinks that do not require grad in "
+                                      f"{self.stash.name}, got s_aux (the layer's sinks, as gpt-oss passes them) that "
+                                      f"requires grad for {interface.family.name}, whose backward gives the sinks no "
+                                      f"gradient. Freeze the sinks (as LoRA does), or remove the stash from layers "
+                                      f"with sinks and train them with an implementation whose backward computes "
+                                      f"their gradient.")
         if isinstance(a.alibi_slopes, torch.Tensor) and a.alibi_slopes.requires_grad:
             raise AttentionStashError(f"{_FEATURE} needs ALiBi slopes that do not require grad in {self.stash.name}, "
                                       f"got learned ones, whose gradient flash-attn does not compute. Remove the "
@@ -1193,7 +1197,6 @@ _HUB_KERNEL = _Implementation(None, _FLASH_CALLS, "qk_head_dim", _flash_copy, _l
                               ("the Hub kernel {name}", "loaded by the kernels package"), True)
 _HUB_KERNEL_NAME = re.compile(r"[^/:@|\s]+/[^/:@|\s]+(@[^/:@|\s]+)?")
 
-
 # Flash implementations that Hugging Face serves and the stash refuses at install, with the reason.
 _REFUSED = dict.fromkeys(("flash_attention_4", "kernels-community/flash-attn4"), (
     "flash-attn 4 (flash_attn.cute, from the flash-attn-4 pre-release or the Hub kernel "
@@ -1350,8 +1353,10 @@ class _LayerStash:
         stashable = (f" The attention layers checkpointed now are {', '.join(checkpointed)}: remove() the stash and "
                      f"install it again, and num_layers counts those." if checkpointed else "")
         if stand_aside:
-            unserved = [stash for stash in dict.fromkeys(_STASHES.values()) if stash.counters is self.counters
-                        and stash.checkpointed and not getattr(stash.layer(), "gradient_checkpointing", True)]
+            unserved = [
+                stash for stash in dict.fromkeys(_STASHES.values()) if stash.counters is self.counters
+                and stash.checkpointed and not getattr(stash.layer(), "gradient_checkpointing", True)
+            ]
             for stash in unserved:
                 stash.aside = True
             logger.warning(f"{_FEATURE}: {', '.join(stash.name for stash in unserved)} run stock attention and keep "
@@ -2036,8 +2041,9 @@ def _install_message(model, chosen, records, plans, others, sizes, micro_batch_s
     mode = ("checkpointing not enabled yet" if not layer.gradient_checkpointing or reentrant is None else
             "reentrant checkpointing" if reentrant else "non-reentrant checkpointing")
     compiled = ("under torch.compile, the compiled checkpoint saves the kernel's outputs instead (a model compiled "
-                "before this install recompiles once)" if all(record.compiled_ops(record) for record in records) else
-                "under torch.compile, refused: dynamo cannot trace these kernels")
+                "before this install recompiles once)" if all(
+                    record.compiled_ops(record)
+                    for record in records) else "under torch.compile, refused: dynamo cannot trace these kernels")
     message = (f"{_FEATURE}: keeping the attention output of {len(chosen)} of {len(plans)} attention layers "
                f"({chosen[0].name} to {chosen[-1].name}) for their recompute: {cost}; {mode}: the recompute replays "
                f"the kept output through the kernel's backward, in either mode; {compiled}; attn_implementation "

@@ -220,8 +220,18 @@ def _copy_gradients(grads, dq, dk, dv):
             buffer.copy_(grad)
 
 
-def flash_forward_cpu(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap,
-                      alibi_slopes, return_softmax, sinks=None):
+def flash_forward_cpu(q,
+                      k,
+                      v,
+                      dropout_p,
+                      softmax_scale,
+                      causal,
+                      window_size_left,
+                      window_size_right,
+                      softcap,
+                      alibi_slopes,
+                      return_softmax,
+                      sinks=None):
     """flash_attn::_flash_attn_forward on CPU: q [batch, seqlen_q, heads, d], k/v [batch, seqlen_k, kv_heads, d]
     -> out (q's shape and dtype), lse float32 [batch, heads, seqlen_q], S_dmask (0,), rng_state int64 (2,)."""
     _check_supported(dropout_p, alibi_slopes, return_softmax)

@@ -344,8 +344,21 @@ def _softmax_d(q, cu_seqlens_q):
     return q.new_empty(shape, dtype=torch.float32)
 
 
-def _fa3_forward_cpu(q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, is_causal,
-                     window_size_left, window_size_right, softcap, s_aux=None, **others):
+def _fa3_forward_cpu(q,
+                     k,
+                     v,
+                     out,
+                     cu_seqlens_q,
+                     cu_seqlens_k,
+                     max_seqlen_q,
+                     max_seqlen_k,
+                     softmax_scale,
+                     is_causal,
+                     window_size_left,
+                     window_size_right,
+                     softcap,
+                     s_aux=None,
+                     **others):
     """flash_attn_3::fwd: out (q's shape and dtype), softmax_lse float32 (see _lse_shape), empty out_accum and
     softmax_lse_accum. vLLM's fwd takes attention sinks (s_aux, one per head) into each row's normaliser and
     log-sum-exp, as its kernel does; its bwd is flash-attn 3's, from that log-sum-exp."""
@@ -354,8 +367,15 @@ def _fa3_forward_cpu(q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
     if cu_seqlens_q is None:
         result, softmax_lse, _, _ = flash_forward_cpu(q, k, v, *options, None, False, s_aux)
     else:
-        result, softmax_lse, _, _ = flash_varlen_forward_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                                             max_seqlen_k, *options, sinks=s_aux)
+        result, softmax_lse, _, _ = flash_varlen_forward_cpu(q,
+                                                             k,
+                                                             v,
+                                                             cu_seqlens_q,
+                                                             cu_seqlens_k,
+                                                             max_seqlen_q,
+                                                             max_seqlen_k,
+                                                             *options,
+                                                             sinks=s_aux)
     return _into(out, result), softmax_lse, *_workspaces(q, 2)
 
 

@@ -8,6 +8,7 @@ import gc
 import inspect
 import logging
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -103,6 +104,19 @@ def free_port():
         return str(probe.getsockname()[1])
 
 
+def torchrun():
+    """The command that starts torch's launcher in this Python: torch's torchrun console script, from next to this
+    interpreter (a virtual environment's bin folder), else next to the Python it was made from (a venv made with
+    --system-site-packages over a Python that has torch), else from PATH, run by this interpreter whatever its first
+    line names, so that the launcher and the ranks it starts (with its sys.executable) import what this process
+    imports."""
+    folders = [os.path.dirname(sys.executable), os.path.dirname(getattr(sys, "_base_executable", sys.executable))]
+    for script in [os.path.join(folder, "torchrun") for folder in folders] + [shutil.which("torchrun")]:
+        if script and os.path.isfile(script):
+            return [sys.executable, script]
+    raise AssertionError(f"no torchrun next to {sys.executable} or on PATH; torch installs it as a console script")
+
+
 def run_on_two_ranks(script, *args):
     """``script`` with ``args`` under torchrun on two ranks and a free port, outside the caller's launcher environment;
     fails with the end of its output unless it succeeds. Returns the completed process."""
@@ -111,7 +125,7 @@ def run_on_two_ranks(script, *args):
         for name, value in os.environ.items()
         if name not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     }
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", free_port()]
+    command = [*torchrun(), "--nproc_per_node", "2", "--master_port", free_port()]
     result = subprocess.run([*command, script, *args], env=environment, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     return result

@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "..", ".."))  # tests/: conftest imp
 
 import conftest  # noqa: E402,F401
 import deepspeed  # noqa: E402
+import deepspeed.comm as dist  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
@@ -204,7 +205,7 @@ def cases(rank, use_reentrant, kind, batch, report):
 
 def main():
     deepspeed.init_distributed("gloo")
-    rank = torch.distributed.get_rank()
+    rank = dist.get_rank()
     use_flash(sys.argv[1], rank)
     report = {"rank": rank}
     for use_reentrant in (True, False):
@@ -212,7 +213,7 @@ def main():
             cases(rank, use_reentrant, kind, batch, report)
     with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as file:
         json.dump(report, file)
-    torch.distributed.barrier()
+    dist.barrier()
 
 
 if __name__ == "__main__":

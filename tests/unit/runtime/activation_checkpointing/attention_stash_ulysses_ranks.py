@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "..", ".."))  # tests/: conftest imp
 
 import conftest  # noqa: E402,F401
 import deepspeed  # noqa: E402
+import deepspeed.comm as dist  # noqa: E402
 import torch  # noqa: E402
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: E402
 
@@ -275,7 +276,7 @@ def changed_after_the_install(report):
         else:
             ALL_ATTENTION_FUNCTIONS._local_mapping.pop("sdpa")
         try:
-            step(model, SEQUENCES[0], torch.distributed.get_rank())
+            step(model, SEQUENCES[0], dist.get_rank())
         except AttentionStashError as error:
             report[case] = str(error)
         handle.remove()
@@ -323,7 +324,7 @@ def fewer_key_heads(rank, report):
 
 def main():
     deepspeed.init_distributed("gloo")
-    rank = torch.distributed.get_rank()
+    rank = dist.get_rank()
     report = {"rank": rank}
     for use_reentrant in (True, False):
         orders(rank, use_reentrant, report)
@@ -333,7 +334,7 @@ def main():
     changed_after_the_install(report)
     with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as file:
         json.dump(report, file)
-    torch.distributed.barrier()
+    dist.barrier()
 
 
 if __name__ == "__main__":

@@ -648,7 +648,8 @@ def test_rejects_missing_entry_points(monkeypatch, missing):
 # GPU (cuDNN, flash and memory-efficient attention), skipped without CUDA.
 # ---------------------------------------------------------------------------------------------------------------------
 
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA SDPA backends need CUDA")
+CUDA_AVAILABLE = torch.cuda.is_available()  #ignore-cuda
+requires_cuda = pytest.mark.skipif(not CUDA_AVAILABLE, reason="the CUDA SDPA backends need CUDA")
 
 CUDA_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
 
@@ -724,7 +725,7 @@ def test_replay_matches_autograd(device, backend, key_heads, masked):
     fully masked rows. On CPU every gradient is bitwise. On CUDA (Qwen3-30B-A3B's shapes: 32 query heads, head dim
     128, bfloat16) the output is bitwise; dK and dV bitwise where two autograd runs agree bitwise, and dQ (and any
     gradient that varies between autograd runs) no further from an FP32 reference than autograd's own."""
-    if device == "cuda" and not torch.cuda.is_available():
+    if device == "cuda" and not CUDA_AVAILABLE:
         pytest.skip("the CUDA SDPA backends need CUDA")
     torch.manual_seed(0)
     shapes = {"cuda": (2, 32, 2048, 128, torch.bfloat16), "cpu": (2, 32, 64, 16, torch.float32)}
@@ -790,9 +791,9 @@ def test_cuda_two_layer_training_step(install, backend, masked, use_reentrant):
                                          hidden_size=512,
                                          num_attention_heads=8,
                                          num_key_value_heads=8,
-                                         head_dim=64).cuda(),
+                                         head_dim=64).to("cuda"),
                          use_reentrant=use_reentrant)
-    ids = batch_ids(sequence=256).cuda()
+    ids = batch_ids(sequence=256).to("cuda")
     inputs = dict(input_ids=ids, labels=ids)
     if masked:
         if backend == SDPBackend.FLASH_ATTENTION:
@@ -820,6 +821,7 @@ def test_cuda_two_layer_training_step(install, backend, masked, use_reentrant):
 def test_autoep_engine_step_with_and_without_the_stash(install):
     """One training step of a DeepSpeed AutoEP engine on a two-layer Mixtral, on CUDA (cuDNN) where it is available."""
     import deepspeed
+    from deepspeed.accelerator import get_accelerator
 
     if tuple(int(part) for part in transformers.__version__.split(".")[:2]) >= (5, 23):
         pytest.skip("DeepSpeed 0.19.8's AutoEP fails in deepspeed.initialize with transformers >= 5.23; CI runs this "
@@ -827,7 +829,8 @@ def test_autoep_engine_step_with_and_without_the_stash(install):
     for variable, default in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
                               ("MASTER_PORT", free_port())):
         os.environ.setdefault(variable, default)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    # The engine's device: DeepSpeed's accelerator, CUDA where it is available.
+    device = get_accelerator().device_name()
     config = {
         "train_micro_batch_size_per_gpu": 2,
         "optimizer": {

@@ -81,6 +81,12 @@ MODELS = {
     "llama_two_calls": (lambda: _two_calls(llama_model(DTYPE)), 3, 2),
 }
 BATCHES = ("plain", "padded", "packed_position_ids", "packed_cu_seq_lens")
+# Llama on every batch kind (each reaches flash-attn another way: flash_attn_func, or flash_attn_varlen_func with
+# cu_seqlens unpadded from the mask, derived from position_ids, or passed as the same tensors to both passes); each
+# other model on a plain and a packed batch: what a model changes for the stash (the head dimension's padding, the
+# window, layers without softmax attention, two calls per layer) reaches both functions alike (merged in issue 58).
+STEP_CASES = [(name, kind) for name in MODELS
+              for kind in (BATCHES if name == "llama" else ("plain", "packed_position_ids"))]
 
 
 @pytest.fixture
@@ -136,13 +142,10 @@ def real_2d(tensor):
 
 
 @MODES
-@pytest.mark.parametrize("kind", BATCHES)
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name, kind", STEP_CASES)
 def test_a_flash_attention_2_step_is_stock(install, flash, name, kind, use_reentrant):
     """A stock step, then a stashed one on every attention layer: the same loss and gradients bitwise, the
     recompute's attention forwards skipped, every call served, the kept bytes the planner's, nothing left after."""
-    if name == "qwen3_next" and kind == "packed_cu_seq_lens":
-        pytest.skip("Qwen3-Next's linear attention needs flash-linear-attention for cu_seqlens")
     model = flash_model(name, use_reentrant)
     _, layers, calls_per_layer = MODELS[name]
     calls = layers * calls_per_layer
@@ -537,7 +540,8 @@ def meta_step(model, handle, packed, counter, calls):
 
 @MODES
 @pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
-@pytest.mark.parametrize("name", MODELS)
+# Qwen3-MoE's attention is Llama's for the stash (merged in issue 58).
+@pytest.mark.parametrize("name", [name for name in MODELS if name != "qwen3_moe"])
 def test_a_flash_step_on_meta(install, flash, name, packed, use_reentrant):
     """The decoder layers on meta tensors in bfloat16, called as the model calls them (Hugging Face's mask and
     packing code reads values, which meta tensors do not have: a packed batch passes its cu_seqlens, as a

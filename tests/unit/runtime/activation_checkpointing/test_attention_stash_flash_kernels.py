@@ -36,7 +36,7 @@ from attention_stash_flash3 import (HUB_BUILDS, flash_kernels_or_skip, hub_kerne
 from attention_stash_helpers import (CountOps, assert_same_calls, assert_same_grads, assert_stock_process,
                                      bound_arguments, checkpointed, counted_step, kept_outputs, live_checkpoint_calls,
                                      live_tensors, llama_model, logged_messages, mistral_model, param_grads,
-                                     qwen3_moe_model, same_value, tensors)
+                                     same_value, tensors)
 from test_attention_stash_flash import PADDING, _qwen3_next_model, make_batch, meta_of_a_batch, meta_step, real_2d
 
 flash_attn_or_skip()
@@ -70,15 +70,22 @@ MODELS = {
     # 36 is not a multiple of 8: flash-attn 2 pads it to 40, flash-attn 3 keeps it.
     "llama_head_dim_36": (lambda: llama_model(DTYPE, head_dim=36), 3),
     "mistral_sliding_window": (lambda: mistral_model(DTYPE, sliding_window=8), 3),
-    "qwen3_moe": (lambda: qwen3_moe_model(DTYPE), 3),
     # A hybrid: linear attention before each of its two softmax attention layers.
     "qwen3_next": (lambda: _qwen3_next_model(DTYPE), 2),
 }
 BATCHES = ("plain", "padded", "packed_position_ids", "packed_cu_seq_lens")
-# The models each implementation's steps run: the Hub builds of flash-attn 3 share flash-attn 3's family code, so they
-# run on the unpadded head dimension and on Qwen3-MoE.
-STEP_MODELS = {"flash_attention_3": tuple(MODELS), HUBS[0]: tuple(MODELS)}
-STEP_MODELS.update(dict.fromkeys(HUBS[1:], ("llama_head_dim_36", "qwen3_moe")))
+# The models each implementation's steps run, the first on every batch kind (each reaches the flash functions another
+# way: flash_attn_func, or flash_attn_varlen_func with cu_seqlens unpadded from the mask, derived from position_ids, or
+# passed as the same tensors to both passes), the others on a plain and a packed batch: what a model changes for the
+# stash (its head dimension's padding, its window, layers without softmax attention) reaches both functions alike.
+# The Hub builds of flash-attn 3 share flash-attn 3's family code: they run on the unpadded head dimension and a
+# window, which each build names its own way.
+STEP_MODELS = dict.fromkeys(IMPLEMENTATIONS[:2],
+                            ("llama", "llama_head_dim_36", "mistral_sliding_window", "qwen3_next"))
+STEP_MODELS.update(dict.fromkeys(HUBS[1:], ("llama_head_dim_36", "mistral_sliding_window")))
+STEP_CASES = [(implementation, name, kind) for implementation in IMPLEMENTATIONS
+              for index, name in enumerate(STEP_MODELS[implementation])
+              for kind in (BATCHES if index == 0 else ("plain", "packed_position_ids"))]
 
 
 @pytest.fixture(params=IMPLEMENTATIONS)
@@ -126,15 +133,10 @@ def source(implementation):
 
 
 @MODES
-@pytest.mark.parametrize("kind", BATCHES)
-@pytest.mark.parametrize("implementation, name", [(implementation, name) for implementation in IMPLEMENTATIONS
-                                                  for name in STEP_MODELS[implementation]],
-                         indirect=["implementation"])
+@pytest.mark.parametrize("implementation, name, kind", STEP_CASES, indirect=["implementation"])
 def test_a_step_is_stock(install, implementation, name, kind, use_reentrant):
     """A stock step, then a stashed one on every attention layer: the same loss and gradients bitwise, the recompute's
     attention forwards skipped, every call served, the kept bytes the planner's, nothing left after."""
-    if name == "qwen3_next" and kind == "packed_cu_seq_lens":
-        pytest.skip("Qwen3-Next's linear attention needs flash-linear-attention for cu_seqlens")
     model = kernel_model(name, implementation, use_reentrant)
     layers = MODELS[name][1]
     inputs, (batch, sequence) = make_batch(kind)
@@ -435,8 +437,8 @@ def test_the_vllm_stand_in_computes_sinks_as_the_build_does(monkeypatch, tmp_pat
     autograd's with the sinks frozen. A causal sliding window over 6 queries and 4 keys, aligned bottom-right, leaves
     the first two queries no key: output 0, log-sum-exp their head's sink, as the kernel's finalize_aux gives. The
     stand-in computes in float32, the reference in float64, from the same float32 inputs: equal within 2e-6."""
-    module = importlib.import_module(use_hub_kernel(monkeypatch, tmp_path_factory, HUBS[2]).__name__ +
-                                     ".flash_attn_interface")
+    module = importlib.import_module(
+        use_hub_kernel(monkeypatch, tmp_path_factory, HUBS[2]).__name__ + ".flash_attn_interface")
     generator = torch.Generator().manual_seed(3)
     q, dout = (torch.randn(1, 6, 4, 8, generator=generator) for _ in range(2))
     k, v = (torch.randn(1, 4, 2, 8, generator=generator) for _ in range(2))
@@ -461,17 +463,28 @@ def test_the_vllm_stand_in_computes_sinks_as_the_build_does(monkeypatch, tmp_pat
         q, k, v, dout = (t[0] for t in (q, k, v, dout))
         cu_seqlens_q, cu_seqlens_k = torch.tensor([0, 6], dtype=torch.int32), torch.tensor([0, 4], dtype=torch.int32)
         varlen_arguments = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=6, max_seqlen_k=4)
-    nones = dict.fromkeys(("k_new", "v_new", "qv", "out", "cu_seqlens_q", "cu_seqlens_k", "cu_seqlens_k_new",
-                           "seqused_q", "seqused_k", "max_seqlen_q", "max_seqlen_k", "page_table", "kv_batch_idx",
-                           "leftpad_k", "rotary_cos", "rotary_sin", "seqlens_rotary", "q_descale", "k_descale",
-                           "v_descale"))
+    nones = dict.fromkeys(
+        ("k_new", "v_new", "qv", "out", "cu_seqlens_q", "cu_seqlens_k", "cu_seqlens_k_new", "seqused_q", "seqused_k",
+         "max_seqlen_q", "max_seqlen_k", "page_table", "kv_batch_idx", "leftpad_k", "rotary_cos", "rotary_sin",
+         "seqlens_rotary", "q_descale", "k_descale", "v_descale"))
     options = dict(softmax_scale=scale, causal=True, window_size=window)
     out, lse, *_ = module._flash_attn_forward(q, k, v, **{**nones, **varlen_arguments}, **options, s_aux=sinks)
     grads = [torch.empty_like(t) for t in (q, k, v)]
     backward_varlen = dict(cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None)
     backward_varlen.update(varlen_arguments)
-    module._flash_attn_backward(dout, q, k, v, out, lse, **backward_varlen, sequed_q=None, sequed_k=None, dq=grads[0],
-                                dk=grads[1], dv=grads[2], **options)
+    module._flash_attn_backward(dout,
+                                q,
+                                k,
+                                v,
+                                out,
+                                lse,
+                                **backward_varlen,
+                                sequed_q=None,
+                                sequed_k=None,
+                                dq=grads[0],
+                                dk=grads[1],
+                                dv=grads[2],
+                                **options)
     if varlen:
         out, lse, grads = out.unsqueeze(0), lse.unsqueeze(0), [grad.unsqueeze(0) for grad in grads]
     torch.testing.assert_close(out.double(), expected_out.detach(), rtol=0, atol=2e-6)

@@ -53,7 +53,7 @@ def test_a_model_from_pretrained_at_the_defaults_is_served(install, monkeypatch,
         assert model.kernels_mode == Mode.TRAINING
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")  #ignore-cuda
 @pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non_reentrant"])
 def test_a_model_from_pretrained_at_the_defaults_is_served_on_cuda(install, monkeypatch, saved, use_reentrant):
     """gpu_check.sh's from_pretrained step: a Qwen3-MoE loaded at from_pretrained's defaults, moved to the GPU in
@@ -66,7 +66,7 @@ def test_a_model_from_pretrained_at_the_defaults_is_served_on_cuda(install, monk
     model = AutoModelForCausalLM.from_pretrained(saved["qwen3_moe"])
     assert model.use_kernels is KERNELS_BY_DEFAULT
     model = checkpointed(model.to("cuda", torch.bfloat16), use_reentrant=use_reentrant)
-    ids = batch_ids(sequence=256).cuda()
+    ids = batch_ids(sequence=256).to("cuda")
     model.zero_grad(set_to_none=True)
     expected_loss = model(input_ids=ids, labels=ids).loss
     expected_loss.backward()

@@ -15,7 +15,6 @@ import re
 
 import pytest
 import torch
-import torch.distributed
 
 from attention_stash_helpers import CPU_FORWARD, CountOps, assert_stock_process, batch_ids, free_port, llama_model
 
@@ -82,13 +81,26 @@ def launcher_process(monkeypatch, tmp_path):
     process-group variables, set as test_attention_stash_deepspeed.py sets them, where they are not set already. After
     the test, the process as it was: the process group the Trainer's DeepSpeed engine made destroyed (one that was
     there before is kept), accelerate's state, the Trainer's DeepSpeed config, and the variables the Trainer set
-    (ACCELERATE_USE_DEEPSPEED)."""
+    (ACCELERATE_USE_DEEPSPEED).
+
+    The engine made it when DeepSpeed's TorchBackend, setting up, found no process group (its is_initialized() is
+    torch's). deepspeed.comm.is_initialized() is False until DeepSpeed has a backend, even where torch has a process
+    group, as accelerate makes for a Trainer run without DeepSpeed under the launcher's variables: the engine adopts
+    that one, and it is kept."""
     import deepspeed.comm
     from accelerate.state import AcceleratorState
+    from deepspeed.comm.torch import TorchBackend
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
     environment, threads = dict(os.environ), torch.get_num_threads()
-    had_process_group = torch.distributed.is_initialized()
+    made_process_group = []
+    set_up = TorchBackend.init_process_group
+
+    def recording_set_up(backend, *args, **kwargs):
+        made_process_group.append(not backend.is_initialized())
+        return set_up(backend, *args, **kwargs)
+
+    monkeypatch.setattr(TorchBackend, "init_process_group", recording_set_up)
     for name, default in zip(LAUNCHER_VARIABLES, ("0", "0", "1", "127.0.0.1", free_port())):
         if name not in os.environ:
             monkeypatch.setenv(name, default)
@@ -96,7 +108,7 @@ def launcher_process(monkeypatch, tmp_path):
     yield tmp_path
     AcceleratorState._reset_state(reset_partial_state=True)
     unset_hf_deepspeed_config()
-    if torch.distributed.is_initialized() and not had_process_group:
+    if any(made_process_group) and deepspeed.comm.is_initialized():
         # DeepSpeed's own destroy also drops the groups DeepSpeed cached from this process group.
         deepspeed.comm.destroy_process_group()
     for name in set(os.environ) - set(environment):

@@ -64,47 +64,62 @@ def _flash_attn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropo
 @torch.library.register_fake(add_op_namespace_prefix("_flash_attn_forward"))
 def _flash_attn_forward_fake(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap,
                              alibi_slopes, return_softmax):
-    return (torch.empty_like(q), _lse(q, False), q.new_empty((0, )), torch.empty((2, ), dtype=torch.int64,
-                                                                                  device=q.device))
+    return (torch.empty_like(q), _lse(q, False), q.new_empty(
+        (0, )), torch.empty((2, ), dtype=torch.int64, device=q.device))
 
 
 @torch.library.custom_op(add_op_namespace_prefix("_flash_attn_varlen_forward"), mutates_args=(), device_types="cpu")
-def _flash_attn_varlen_forward(q: torch.Tensor,
-                               k: torch.Tensor,
-                               v: torch.Tensor,
-                               cu_seqlens_q: torch.Tensor,
-                               cu_seqlens_k: torch.Tensor,
-                               max_seqlen_q: int,
-                               max_seqlen_k: int,
-                               dropout_p: float,
-                               softmax_scale: float,
-                               causal: bool,
-                               window_size_left: int = -1,
-                               window_size_right: int = -1,
-                               softcap: float = 0.0,
-                               alibi_slopes: Optional[torch.Tensor] = None,
-                               return_softmax: bool = False,
-                               block_table: Optional[torch.Tensor] = None,
-                               leftpad_k: Optional[torch.Tensor] = None,
-                               seqused_k: Optional[torch.Tensor] = None,
-                               zero_tensors: bool = False
-                               ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _flash_attn_varlen_forward(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        cu_seqlens_k: torch.Tensor,
+        max_seqlen_q: int,
+        max_seqlen_k: int,
+        dropout_p: float,
+        softmax_scale: float,
+        causal: bool,
+        window_size_left: int = -1,
+        window_size_right: int = -1,
+        softcap: float = 0.0,
+        alibi_slopes: Optional[torch.Tensor] = None,
+        return_softmax: bool = False,
+        block_table: Optional[torch.Tensor] = None,
+        leftpad_k: Optional[torch.Tensor] = None,
+        seqused_k: Optional[torch.Tensor] = None,
+        zero_tensors: bool = False) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     q, k, v = [maybe_contiguous(x) for x in (q, k, v)]
-    out, softmax_lse, S_dmask, rng_state = flash_attn.varlen_fwd(q, k, v, None, cu_seqlens_q, cu_seqlens_k,
-                                                                 seqused_k, leftpad_k, block_table, alibi_slopes,
-                                                                 max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-                                                                 zero_tensors, causal, window_size_left,
-                                                                 window_size_right, softcap, return_softmax, None)
+    out, softmax_lse, S_dmask, rng_state = flash_attn.varlen_fwd(q, k, v, None, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                                                                 leftpad_k, block_table, alibi_slopes, max_seqlen_q,
+                                                                 max_seqlen_k, dropout_p, softmax_scale, zero_tensors,
+                                                                 causal, window_size_left, window_size_right, softcap,
+                                                                 return_softmax, None)
     return out, softmax_lse, S_dmask, rng_state
 
 
 @torch.library.register_fake(add_op_namespace_prefix("_flash_attn_varlen_forward"))
-def _flash_attn_varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                                    softmax_scale, causal, window_size_left=-1, window_size_right=-1, softcap=0.0,
-                                    alibi_slopes=None, return_softmax=False, block_table=None, leftpad_k=None,
-                                    seqused_k=None, zero_tensors=False):
-    return (torch.empty_like(q), _lse(q, True), q.new_empty((0, )), torch.empty((2, ), dtype=torch.int64,
-                                                                                 device=q.device))
+def _flash_attn_varlen_forward_fake(q,
+                                    k,
+                                    v,
+                                    cu_seqlens_q,
+                                    cu_seqlens_k,
+                                    max_seqlen_q,
+                                    max_seqlen_k,
+                                    dropout_p,
+                                    softmax_scale,
+                                    causal,
+                                    window_size_left=-1,
+                                    window_size_right=-1,
+                                    softcap=0.0,
+                                    alibi_slopes=None,
+                                    return_softmax=False,
+                                    block_table=None,
+                                    leftpad_k=None,
+                                    seqused_k=None,
+                                    zero_tensors=False):
+    return (torch.empty_like(q), _lse(q, True), q.new_empty(
+        (0, )), torch.empty((2, ), dtype=torch.int64, device=q.device))
 
 
 @torch.library.custom_op(add_op_namespace_prefix("_flash_attn_backward"),
@@ -136,8 +151,23 @@ def _flash_attn_backward(dout: torch.Tensor,
 
 
 @torch.library.register_fake(add_op_namespace_prefix("_flash_attn_backward"))
-def _flash_attn_backward_fake(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
-                              window_size_left, window_size_right, softcap, alibi_slopes, deterministic,
+def _flash_attn_backward_fake(dout,
+                              q,
+                              k,
+                              v,
+                              out,
+                              softmax_lse,
+                              dq,
+                              dk,
+                              dv,
+                              dropout_p,
+                              softmax_scale,
+                              causal,
+                              window_size_left,
+                              window_size_right,
+                              softcap,
+                              alibi_slopes,
+                              deterministic,
                               rng_state=None):
     batch_size, seqlen_q, num_heads, _ = q.shape
     return torch.empty((batch_size, num_heads, round_multiple(seqlen_q, 128)), device=q.device, dtype=torch.float32)
@@ -178,9 +208,28 @@ def _flash_attn_varlen_backward(dout: torch.Tensor,
 
 
 @torch.library.register_fake(add_op_namespace_prefix("_flash_attn_varlen_backward"))
-def _flash_attn_varlen_backward_fake(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
-                                     max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size_left,
-                                     window_size_right, softcap, alibi_slopes, deterministic, rng_state=None,
+def _flash_attn_varlen_backward_fake(dout,
+                                     q,
+                                     k,
+                                     v,
+                                     out,
+                                     softmax_lse,
+                                     dq,
+                                     dk,
+                                     dv,
+                                     cu_seqlens_q,
+                                     cu_seqlens_k,
+                                     max_seqlen_q,
+                                     max_seqlen_k,
+                                     dropout_p,
+                                     softmax_scale,
+                                     causal,
+                                     window_size_left,
+                                     window_size_right,
+                                     softcap,
+                                     alibi_slopes,
+                                     deterministic,
+                                     rng_state=None,
                                      zero_tensors=False):
     batch_size = cu_seqlens_q.numel() - 1
     total_q, num_heads, _ = q.shape
@@ -252,31 +301,30 @@ class FlashAttnFunc(torch.autograd.Function):
 class FlashAttnVarlenFunc(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-                causal, window_size, softcap, alibi_slopes, deterministic, return_softmax, block_table,
-                is_grad_enabled):
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+                window_size, softcap, alibi_slopes, deterministic, return_softmax, block_table, is_grad_enabled):
         is_grad = is_grad_enabled and any(x.requires_grad for x in [q, k, v])
         if softmax_scale is None:
             softmax_scale = q.shape[-1]**(-0.5)
         head_size_og = q.size(2)
         q, k, v = _pad((q, k, v), head_size_og)
-        out_padded, softmax_lse, S_dmask, rng_state = _flash_attn_varlen_forward(
-            q,
-            k,
-            v,
-            cu_seqlens_q,
-            cu_seqlens_k,
-            max_seqlen_q,
-            max_seqlen_k,
-            dropout_p,
-            softmax_scale,
-            causal=causal,
-            window_size_left=window_size[0],
-            window_size_right=window_size[1],
-            softcap=softcap,
-            alibi_slopes=alibi_slopes,
-            return_softmax=return_softmax and dropout_p > 0,
-            block_table=block_table)
+        out_padded, softmax_lse, S_dmask, rng_state = _flash_attn_varlen_forward(q,
+                                                                                 k,
+                                                                                 v,
+                                                                                 cu_seqlens_q,
+                                                                                 cu_seqlens_k,
+                                                                                 max_seqlen_q,
+                                                                                 max_seqlen_k,
+                                                                                 dropout_p,
+                                                                                 softmax_scale,
+                                                                                 causal=causal,
+                                                                                 window_size_left=window_size[0],
+                                                                                 window_size_right=window_size[1],
+                                                                                 softcap=softcap,
+                                                                                 alibi_slopes=alibi_slopes,
+                                                                                 return_softmax=return_softmax
+                                                                                 and dropout_p > 0,
+                                                                                 block_table=block_table)
         if is_grad:
             ctx.save_for_backward(q, k, v, out_padded, softmax_lse, cu_seqlens_q, cu_seqlens_k, rng_state)
             ctx.dropout_p, ctx.max_seqlen_q, ctx.max_seqlen_k = dropout_p, max_seqlen_q, max_seqlen_k
