@@ -453,9 +453,11 @@ def test_host_benchmark_runs_and_counts_what_it_served(capsys):
         assert re.match(r"[\d,]+\.\d us per layer and step over plain non-reentrant", selective)
         for mode in ("reentrant", "non-reentrant"):
             assert re.search(
-                rf"\nthe stash \({mode}\) against selective: [\d,.]+ against [\d,.]+ us per layer and step, "
-                r"\d\.\d{3} times \(.* from the medians' 95% intervals\): (within|over|UNRESOLVED by the noise "
-                r"against) the 0\.1 times target", selective)
+                # Four pairs on a loaded machine can leave a median cost below zero: a sign is allowed.
+                rf"\nthe stash \({mode}\) against selective: -?[\d,.]+ against [\d,.]+ us per layer and step, "
+                r"-?\d\.\d{3} times \(.* from the medians' 95% intervals\): (within|over|UNRESOLVED by the noise "
+                r"against) the 0\.1 times target",
+                selective)
     assert out.count("non-reentrant against reentrant: ") == 2 and "times target" in out
     summary = out.partition("\nhost cost per layer and step (us;")[2].splitlines()
     assert summary[1].split() == [
