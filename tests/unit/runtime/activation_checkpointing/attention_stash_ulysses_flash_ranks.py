@@ -2,16 +2,17 @@
 
 # DeepSpeed Team
 """Run by test_attention_stash_ulysses_flash.py under torchrun with two ranks over gloo: the stash under DeepSpeed's
-Ulysses sequence parallelism (ALST, UlyssesSPAttentionHF.register_with_transformers) with the flash implementation
-given as the second argument as its core: "flash_attention_2" (flash-attn 2's Python layer), "flash_attention_3"
-(flash-attn 3's) or a Hub kernel of attention_stash_flash3.HUB_BUILDS (a local repository), over the CPU stand-ins of
-attention_stash_flash.py and attention_stash_flash3.py.
+Ulysses sequence parallelism (ALST, UlyssesSPAttentionHF.register_with_transformers) with each flash implementation
+given after the first argument as its core, one after the other: "flash_attention_2" (flash-attn 2's Python layer),
+"flash_attention_3" (flash-attn 3's) or a Hub kernel of attention_stash_flash3.HUB_BUILDS (a local repository), over
+the CPU stand-ins of attention_stash_flash.py and attention_stash_flash3.py; each implementation's setup is undone
+before the next one's.
 
-For each checkpoint mode and each batch kind, a tiny Llama trains one step on each rank's shard with ALST alone, which
+For each implementation, each checkpoint mode and each batch kind, a tiny Llama trains one step on each rank's shard with ALST alone, which
 is the reference; then with the stash on all its layers, installed before ALST registers and with ALST registered
 first. The plain batch (two samples, position_ids counting from 0) runs flash_attn_func; the packed one (one sample of
 two documents, position_ids restarting at the boundary, which ALST gathers whole) runs flash_attn_varlen_func. Each
-rank writes its report as JSON to ``rank<N>.json`` in the folder given as the first argument.
+rank writes its report, by implementation, as JSON to ``rank<N>.json`` in the folder given as the first argument.
 """
 
 import json
@@ -41,7 +42,6 @@ from deepspeed.runtime.sequence_parallel import parallel_state_sp as mpu  # noqa
 from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF  # noqa: E402
 
 RANKS = 2
-FLASH = sys.argv[2]
 # The whole sequence; each rank trains its half.
 SEQUENCE = 32
 # The packed batch's documents, of 10 and 22 tokens: rank 0's shard holds the boundary.
@@ -49,18 +49,23 @@ DOCUMENTS = (10, 22)
 # The forward ops seen by name: the kernel functions that are custom ops, and compiled forward ops called directly.
 FORWARD_OPS = ("_flash_attn_forward", "_flash_attn_varlen_forward", "fwd", "varlen_fwd")
 
+# The namespaces of those ops: flash-attn 2's and 3's, and each Hub build's, which ends with a hash of the build.
+NAMESPACES = ("flash_attn", "flash_attn_3", "_flash_attn2_", "_flash_attn3_", "_vllm_flash_attn3_")
+
 
 def forward_op(func, args, kwargs):
-    """(batch kind, the query's cu_seqlens) of a forward op of flash-attn 2, flash-attn 3 or a Hub kernel (its kernel
-    function where that is a custom op, else the compiled op it calls); None for any other op."""
+    """(batch kind, the query's cu_seqlens, the namespace without a build's hash) of a forward op of flash-attn 2,
+    flash-attn 3 or a Hub kernel (its kernel function where that is a custom op, else the compiled op it calls); None
+    for any other op."""
     namespace, _, name = func.overloadpacket._qualified_op_name.partition("::")
-    if not (namespace in ("flash_attn", "flash_attn_3") or namespace.startswith(
-        ("_flash_attn2_", "_flash_attn3_", "_vllm_flash_attn3_"))) or name not in FORWARD_OPS:
+    family = namespace if namespace in NAMESPACES[:2] else next(
+        (prefix for prefix in NAMESPACES[2:] if namespace.startswith(prefix)), None)
+    if family is None or name not in FORWARD_OPS:
         return None
     # By name: the dispatcher leaves out trailing arguments that equal their defaults.
     names = (argument.name for argument in func._schema.arguments)
     cu_seqlens = {**dict(zip(names, args)), **kwargs}.get("cu_seqlens_q")
-    return ("dense", None) if cu_seqlens is None else ("varlen", cu_seqlens)
+    return ("dense", None, family) if cu_seqlens is None else ("varlen", cu_seqlens, family)
 
 
 def batches():
@@ -73,53 +78,55 @@ def batches():
 
 class FlashForwardCalls(TorchDispatchMode):
     """Counts the calls of flash-attn's two forward ops, by batch kind ("dense", "varlen"), and notes the query's
-    cu_seqlens of each varlen call."""
+    cu_seqlens of each varlen call and the namespaces of the ops: one process runs several implementations, each of
+    which must run its own kernels."""
 
     def __init__(self):
         super().__init__()
         self.calls = Counter()
         self.cu_seqlens = []
+        self.namespaces = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         found = forward_op(func, args, kwargs or {})
         if found is not None:
-            kind, cu_seqlens = found
+            kind, cu_seqlens, namespace = found
             self.calls[kind] += 1
+            self.namespaces.add(namespace)
             if cu_seqlens is not None:
                 self.cu_seqlens.append(cu_seqlens.tolist())
         return func(*args, **(kwargs or {}))
 
 
-def use_flash(folder, rank):
-    """What the tests' fixtures do for FLASH under pytest, for the rest of this process (each rank builds its own copy
-    of the Hub kernel)."""
-    monkeypatch = pytest.MonkeyPatch()
-    if FLASH == "flash_attention_2":
+def use_flash(flash, folder, rank, monkeypatch):
+    """What the tests' fixtures do for ``flash`` under pytest, until ``monkeypatch`` is undone (each rank builds its own
+    copy of the Hub kernel)."""
+    if flash == "flash_attention_2":
         use_flash_attention_2(monkeypatch)
-    elif FLASH == "flash_attention_3":
+    elif flash == "flash_attention_3":
         use_flash_attention_3(monkeypatch)
     else:
-        use_hub_kernel(monkeypatch, os.path.join(folder, f"kernel{rank}"), FLASH)
+        use_hub_kernel(monkeypatch, os.path.join(folder, f"kernel{rank}"), flash)
 
 
-def flash_llama(use_reentrant):
+def flash_llama(flash, use_reentrant):
     model = checkpointed(llama_model(), use_reentrant=use_reentrant)
-    model.config._attn_implementation = FLASH
+    model.config._attn_implementation = flash
     return model
 
 
-def register_alst(model, micro_batch):
+def register_alst(flash, model, micro_batch):
     return UlyssesSPAttentionHF.register_with_transformers(model_name_or_path=model,
-                                                           core_attn_implementation=FLASH,
+                                                           core_attn_implementation=flash,
                                                            sequence_parallel_size=RANKS,
                                                            micro_batch_size=micro_batch,
                                                            seq_length_is_variable=True)
 
 
-def unregister_alst():
+def unregister_alst(flash):
     """Back to transformers' own entry (ALST's registration writes the interface's local mapping) and no
     sequence-parallel groups, for the next registration."""
-    ALL_ATTENTION_FUNCTIONS._local_mapping.pop(FLASH, None)
+    ALL_ATTENTION_FUNCTIONS._local_mapping.pop(flash, None)
     mpu._release_sequence_parallel_groups()
     assert_stock_process()
 
@@ -139,7 +146,12 @@ def step(model, batch, rank):
     loss = logits.float().pow(2).mean()
     with FlashForwardCalls() as backward:
         loss.backward()
-    calls = {"forward": dict(forward.calls), "backward": dict(backward.calls), "cu_seqlens": forward.cu_seqlens}
+    calls = {
+        "forward": dict(forward.calls),
+        "backward": dict(backward.calls),
+        "cu_seqlens": forward.cu_seqlens,
+        "namespaces": sorted(forward.namespaces | backward.namespaces)
+    }
     return loss.detach(), param_grads(model), calls
 
 
@@ -165,23 +177,23 @@ def live_once_gloo_lets_go(before):
     return live
 
 
-def cases(rank, use_reentrant, kind, batch, report):
+def cases(flash, rank, use_reentrant, kind, batch, report):
     """ALST alone, then the stash on every layer installed before and after ALST's registration."""
     micro_batch = batch[0]
     mode = "reentrant" if use_reentrant else "non_reentrant"
-    model = flash_llama(use_reentrant)
-    register_alst(model, micro_batch)
+    model = flash_llama(flash, use_reentrant)
+    register_alst(flash, model, micro_batch)
     reference = step(model, batch, rank)
     del model
-    unregister_alst()
+    unregister_alst(flash)
     before = tensors()
     for order in ("stash_first", "alst_first"):
-        model = flash_llama(use_reentrant)
+        model = flash_llama(flash, use_reentrant)
         if order == "stash_first":
             handle = attention_stash.install_attention_stash(model, NUM_LAYERS, sequence_parallel_size=RANKS)
-            register_alst(model, micro_batch)
+            register_alst(flash, model, micro_batch)
         else:
-            register_alst(model, micro_batch)
+            register_alst(flash, model, micro_batch)
             handle = attention_stash.install_attention_stash(model, NUM_LAYERS)
         result = step(model, batch, rank)
         report[f"{order}_{mode}_{kind}"] = {
@@ -197,7 +209,7 @@ def cases(rank, use_reentrant, kind, batch, report):
             "ops": result[2],
         }
         handle.remove()
-        unregister_alst()
+        unregister_alst(flash)
         del handle, model, result
         # What the step left alive once the stash is removed and the model dropped: nothing.
         report[f"{order}_{mode}_{kind}"]["live"] = live_once_gloo_lets_go(before)
@@ -206,11 +218,16 @@ def cases(rank, use_reentrant, kind, batch, report):
 def main():
     deepspeed.init_distributed("gloo")
     rank = dist.get_rank()
-    use_flash(sys.argv[1], rank)
     report = {"rank": rank}
-    for use_reentrant in (True, False):
-        for kind, batch in batches().items():
-            cases(rank, use_reentrant, kind, batch, report)
+    for flash in sys.argv[2:]:
+        monkeypatch = pytest.MonkeyPatch()
+        use_flash(flash, sys.argv[1], rank, monkeypatch)
+        report[flash] = {}
+        for use_reentrant in (True, False):
+            for kind, batch in batches().items():
+                cases(flash, rank, use_reentrant, kind, batch, report[flash])
+        monkeypatch.undo()
+        assert_stock_process()
     with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as file:
         json.dump(report, file)
     dist.barrier()

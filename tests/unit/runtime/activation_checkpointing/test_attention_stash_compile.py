@@ -82,8 +82,11 @@ def family(request):
     return FAMILIES[request.param]
 
 
-@pytest.mark.parametrize("padded", [False, True], ids=["plain", "padded"])
-@pytest.mark.parametrize("family", sorted(FAMILIES), indirect=True)
+# A padded batch reaches the attention with a mask whatever the family: Qwen3-MoE, whose attention is Llama's for the
+# stash and whose experts are what it adds to the graph, runs the plain batch alone (issue 58).
+@pytest.mark.parametrize("family, padded", [("llama", False), ("llama", True), ("qwen3_moe", False)],
+                         ids=["llama-plain", "llama-padded", "qwen3_moe-plain"],
+                         indirect=["family"])
 @pytest.mark.usefixtures("traceable_kernels")
 def test_a_compiled_step_saves_the_stashed_layers_attention(install, family, padded):
     """Compiled plain against compiled stashed, two stashed layers of three: losses and gradients bitwise, each step
@@ -327,9 +330,15 @@ def flash_model(implementation):
     return model
 
 
-@pytest.mark.parametrize("padded", [False, True], ids=["plain", "padded"])
-@pytest.mark.parametrize("implementation",
-                         ["flash_attention_2", "kernels-community/flash-attn2", "kernels-community/flash-attn3"])
+# Each build's kernel functions are their own ops, compiled on a plain batch. A padded batch breaks dynamo's graph in
+# Hugging Face's unpadding, before any build's function is called: flash_attention_2 alone runs it (issue 58).
+@pytest.mark.parametrize("implementation, padded", [("flash_attention_2", False), ("flash_attention_2", True),
+                                                    ("kernels-community/flash-attn2", False),
+                                                    ("kernels-community/flash-attn3", False)],
+                         ids=[
+                             "flash_attention_2-plain", "flash_attention_2-padded",
+                             "kernels-community/flash-attn2-plain", "kernels-community/flash-attn3-plain"
+                         ])
 @pytest.mark.usefixtures("traceable_kernels")
 def test_a_compiled_flash_step_saves_the_stashed_layers_attention(install, monkeypatch, tmp_path_factory,
                                                                   implementation, padded):
@@ -522,40 +531,42 @@ def test_the_trainer_with_torch_compile_saves_the_stashed_layers_attention(insta
 
 @pytest.mark.usefixtures("traceable_kernels")
 def test_an_inductor_step_saves_the_stashed_layers_attention(install, monkeypatch):
-    """Inductor (its C++ kernels on CPU), compiled plain against compiled stashed: the stashed layers' attention
-    forward leaves the backward graph Inductor compiles, and loss and gradients agree within float32 rounding: the two
-    partitions save different tensors, so Inductor may fuse and order the surrounding arithmetic differently."""
+    """Inductor (its C++ kernels on CPU), two stashed layers of three, against the same step run eagerly: the backward
+    graph Inductor compiles runs the attention forward of the unstashed layer alone, and loss and gradients agree with
+    eager within float32 rounding, as Inductor fuses and orders the surrounding arithmetic its own way. One compile:
+    the unstashed layer's recomputed forward is the count's control (issue 58)."""
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
-    def inductor():
-        graphs = Graphs()
+    graphs = Graphs()
 
-        def inner(graph, inputs, **kwargs):
-            (graphs.backward if kwargs.get("is_backward") else graphs.forward).append(graph)
-            return compile_fx_inner(graph, inputs, **kwargs)
-
-        return graphs, lambda graph, inputs: compile_fx(graph, inputs, inner_compile=inner)
+    def inner(graph, inputs, **kwargs):
+        (graphs.backward if kwargs.get("is_backward") else graphs.forward).append(graph)
+        return compile_fx_inner(graph, inputs, **kwargs)
 
     # Inductor's caches would hand back graphs compiled by an earlier run, without calling the inner compile.
     monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
     monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
+    batch, stashed = inputs(False), NUM_LAYERS - 1
 
-    def step(model):
-        graphs, backend = inductor()
-        torch._dynamo.reset()
-        loss = torch.compile(model, backend=backend, dynamic=False)(**inputs(False)).loss
-        loss.backward()
-        torch._dynamo.reset()
-        return loss.detach(), param_grads(model), graphs
-
-    plain_loss, plain_grads, plain = step(checkpointed(llama_model(), use_reentrant=False))
+    eager = checkpointed(llama_model(), use_reentrant=False)
+    eager_loss = eager(**batch).loss
+    eager_loss.backward()
     model = checkpointed(llama_model(), use_reentrant=False)
-    handle = install(model, NUM_LAYERS)
-    loss, grads, graphs = step(model)
+    handle = install(model, stashed)
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(model,
+                                 backend=lambda graph, inputs: compile_fx(graph, inputs, inner_compile=inner),
+                                 dynamic=False)
+        loss = compiled(**batch).loss
+        loss.backward()
+    finally:
+        torch._dynamo.reset()
     # Measured: the losses equal, the gradients apart by 3e-8 at most (float32's epsilon is 1.2e-7).
-    torch.testing.assert_close(loss, plain_loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-6)
+    plain_grads, grads = param_grads(eager), param_grads(model)
+    assert grads.keys() == plain_grads.keys()
     for name, grad in grads.items():
         torch.testing.assert_close(grad, plain_grads[name], rtol=1e-5, atol=1e-6)
-    assert attention_forwards(plain.backward) == NUM_LAYERS
-    assert attention_forwards(graphs.backward) == 0
-    assert handle.compiled_layers == handle.layers
+    assert attention_forwards(graphs.backward) == NUM_LAYERS - stashed
+    assert handle.compiled_layers == handle.layers and len(handle.layers) == stashed
