@@ -15,6 +15,7 @@ two documents, position_ids restarting at the boundary, which ALST gathers whole
 rank writes its report, by implementation, as JSON to ``rank<N>.json`` in the folder given as the first argument.
 """
 
+import gc
 import json
 import os
 import sys
@@ -225,6 +226,9 @@ def main():
         report[flash] = {}
         for use_reentrant in (True, False):
             for kind, batch in batches().items():
+                # As conftest.py's fixture before each test: each case's collections see only what was made since.
+                gc.collect()
+                gc.freeze()
                 cases(flash, rank, use_reentrant, kind, batch, report[flash])
         monkeypatch.undo()
         assert_stock_process()

@@ -19,6 +19,10 @@ import pytest
 
 from attention_stash_helpers import NUM_LAYERS, run_on_two_ranks
 
+# Every case reads one process pair's reports (a module-scoped fixture): one worker runs them all under the README's
+# --dist loadgroup, where pytest-xdist would otherwise start the pair on each worker that gets a case.
+pytestmark = pytest.mark.xdist_group("alst_sdpa")
+
 SEQUENCES = (16, 24)
 
 

@@ -22,6 +22,10 @@ from attention_stash_flash import flash_attn_or_skip
 from attention_stash_flash3 import flash_kernels_or_skip
 from attention_stash_helpers import NUM_LAYERS, run_on_two_ranks
 
+# Every case reads one process pair's reports (a module-scoped fixture): one worker runs them all under the README's
+# --dist loadgroup, where pytest-xdist would otherwise start the pair on each worker that gets a case.
+pytestmark = pytest.mark.xdist_group("alst_flash")
+
 MODES = ("reentrant", "non_reentrant")
 ORDERS = ("stash_first", "alst_first")
 KINDS = ("plain", "packed")
