@@ -131,6 +131,28 @@ def run_on_two_ranks(script, *args):
     return result
 
 
+def reports_of_two_ranks(tmp_path_factory, name, script, *args):
+    """Each rank's JSON report (``rank<N>.json``) of ``script`` run with ``args`` by run_on_two_ranks into a folder
+    ``name``, once per pytest run: under pytest-xdist, in the run's temporary folder that its workers share, the first
+    worker to ask runs the pair under a file lock and the others wait for it and read what it wrote (pytest-xdist's
+    way to run a session fixture once), where a module-scoped fixture would start the pair again in each worker that
+    takes one of the module's tests."""
+    import json
+
+    from filelock import FileLock
+
+    shared = os.environ.get("PYTEST_XDIST_WORKER") is not None
+    folder = (tmp_path_factory.getbasetemp().parent if shared else tmp_path_factory.getbasetemp()) / name
+    with FileLock(f"{folder}.lock"):
+        if not (folder / "done").is_file():
+            folder.mkdir(exist_ok=True)
+            run_on_two_ranks(script, str(folder), *args)
+            (folder / "done").touch()
+    found = [json.loads((folder / f"rank{rank}.json").read_text()) for rank in range(2)]
+    assert sorted(report["rank"] for report in found) == [0, 1]
+    return found
+
+
 def every_n_layers(model, every_n_layers, use_reentrant=True):
     """Hugging Face checkpointing on every ``every_n_layers``-th decoder layer from the first, in training mode."""
     kwargs = {"use_reentrant": use_reentrant}

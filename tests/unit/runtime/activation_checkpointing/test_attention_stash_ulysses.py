@@ -11,29 +11,21 @@ ranks; each is bitwise against the same setup without the stash, every recompute
 rank's as the planner counts them. CI runs it on both checkpoint layouts of transformers.
 """
 
-import json
 import os
 import re
 
 import pytest
 
-from attention_stash_helpers import NUM_LAYERS, run_on_two_ranks
-
-# Every case reads one process pair's reports (a module-scoped fixture): one worker runs them all under the README's
-# --dist loadgroup, where pytest-xdist would otherwise start the pair on each worker that gets a case.
-pytestmark = pytest.mark.xdist_group("alst_sdpa")
+from attention_stash_helpers import NUM_LAYERS, reports_of_two_ranks
 
 SEQUENCES = (16, 24)
 
 
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("ulysses")
-    run_on_two_ranks(os.path.join(os.path.dirname(os.path.abspath(__file__)), "attention_stash_ulysses_ranks.py"),
-                     str(folder))
-    found = [json.loads((folder / f"rank{rank}.json").read_text()) for rank in range(2)]
-    assert sorted(report["rank"] for report in found) == [0, 1]
-    return found
+    return reports_of_two_ranks(
+        tmp_path_factory, "ulysses",
+        os.path.join(os.path.dirname(os.path.abspath(__file__)), "attention_stash_ulysses_ranks.py"))
 
 
 @pytest.mark.parametrize("mode", ["reentrant", "non_reentrant"])

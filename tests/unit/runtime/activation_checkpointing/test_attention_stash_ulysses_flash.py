@@ -13,18 +13,13 @@ recompute served without a flash forward, and one rank's bytes kept as the plann
 flash_attn_func, a packed one flash_attn_varlen_func over the documents of the whole sequence.
 """
 
-import json
 import os
 
 import pytest
 
 from attention_stash_flash import flash_attn_or_skip
 from attention_stash_flash3 import flash_kernels_or_skip
-from attention_stash_helpers import NUM_LAYERS, run_on_two_ranks
-
-# Every case reads one process pair's reports (a module-scoped fixture): one worker runs them all under the README's
-# --dist loadgroup, where pytest-xdist would otherwise start the pair on each worker that gets a case.
-pytestmark = pytest.mark.xdist_group("alst_flash")
+from attention_stash_helpers import NUM_LAYERS, reports_of_two_ranks
 
 MODES = ("reentrant", "non_reentrant")
 ORDERS = ("stash_first", "alst_first")
@@ -57,14 +52,11 @@ def _available():
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Every available implementation's cases, one after the other in one process pair (issue 58: a pair's start, its
-    imports and gloo's rendezvous, cost as much as an implementation's cases): each rank's report."""
-    folder = tmp_path_factory.mktemp("ulysses_flash")
-    run_on_two_ranks(
-        os.path.join(os.path.dirname(os.path.abspath(__file__)), "attention_stash_ulysses_flash_ranks.py"),
-        str(folder), *_available())
-    found = [json.loads((folder / f"rank{rank}.json").read_text()) for rank in range(2)]
-    assert sorted(report["rank"] for report in found) == [0, 1]
-    return found
+    imports and gloo's rendezvous, cost as much as an implementation's cases), once per run: each rank's report."""
+    available = _available()
+    return reports_of_two_ranks(
+        tmp_path_factory, "ulysses_flash_" + "_".join(name.replace("/", "_") for name in available),
+        os.path.join(os.path.dirname(os.path.abspath(__file__)), "attention_stash_ulysses_flash_ranks.py"), *available)
 
 
 @pytest.fixture(params=IMPLEMENTATIONS)
