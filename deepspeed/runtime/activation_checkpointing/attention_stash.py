@@ -43,9 +43,12 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 import torch.utils.checkpoint
+from torch.autograd.graph import save_on_cpu
 from torch.utils.checkpoint import CheckpointPolicy as _Policy
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
+from deepspeed.runtime.activation_checkpointing import checkpointing as _ds_checkpointing
+from deepspeed.runtime.activation_checkpointing.offload_activations import _ActivationOffloadEngine, _current_manager
 from deepspeed.utils import log_dist, logger
 
 __all__ = [
@@ -61,7 +64,10 @@ _SDPA = torch._C._nn.scaled_dot_product_attention
 # PyTorch entry points beyond the public API; the installer checks them, with the kernels of the backend table.
 _TORCH_ENTRY_POINTS = ("_fused_sdp_choice", "_C._current_graph_task_id", "_C._set_grad_enabled",
                        "_C._is_any_autocast_enabled", "_C._are_functorch_transforms_active",
-                       "_C._dynamo.eval_frame.get_eval_frame_callback", "utils.checkpoint._StopRecomputationError")
+                       "_C._dynamo.eval_frame.get_eval_frame_callback", "utils.checkpoint._StopRecomputationError",
+                       "utils.checkpoint._checkpoint_hook", "_C._autograd._top_saved_tensors_default_hooks",
+                       "_C._autograd._pop_saved_tensors_default_hooks",
+                       "_C._autograd._push_saved_tensors_default_hooks")
 # What a non-reentrant checkpoint raises from its recompute's last save, to stop the recompute there.
 _StopRecomputationError = getattr(torch.utils.checkpoint, "_StopRecomputationError", None)
 # The attribute in which Hugging Face keeps a decoder layer's checkpoint function, read at every checkpointed call.
@@ -81,8 +87,8 @@ class AttentionStashError(RuntimeError):
 @dataclass(slots=True, eq=False)
 class _Kept:
     """One attention call of a first pass, until the recompute's call of the same index: the kernel's ops and
-    arguments, what the kernel returned (output; other saved tensors, log-sum-exp first; scalars), the bytes counted
-    and the output's version."""
+    arguments, what the kernel returned (output; other saved tensors, log-sum-exp first; scalars), the bytes counted,
+    the output's version and, offloaded, the (log-sum-exp, output) tokens of the offload engine (``_fetch``)."""
 
     ops: object
     arguments: object
@@ -91,6 +97,7 @@ class _Kept:
     scalars: tuple = ()
     nbytes: int = 0
     version: int = 0
+    host: tuple = None
 
 
 @dataclass(slots=True, eq=False)
@@ -599,6 +606,48 @@ _state = _ThreadState()
 # hold stays meanwhile, since only the stash's recompute gives that node's saves.
 _RECORDED = weakref.WeakSet()
 
+# Offload, through DeepSpeed's _ActivationOffloadEngine, whose ids stand in for what a first pass keeps. Its
+# restore_input makes the compute stream wait for the copy at once; the stash knows its recompute order, so _fetch
+# starts the copies of the next recompute on the engine's side stream, and _arrived waits for them at their use.
+
+
+def _fetch(engine, token):
+    """(tensor, event to wait for) of an offloaded tensor, its copy to the device started: the device tensor itself
+    where the engine holds it (its keep-last window, copies off the device not done yet) or has no side stream."""
+    if not engine.use_streams or token not in engine._tracker or token in engine._fwd_stash:
+        return engine.restore_input(token), None
+    host, device, shape, stride, buffer = engine._tracker.pop(token)
+    with engine._stream_context(engine.s1):
+        tensor = torch.empty_strided(shape, stride, dtype=host.dtype, device=device).copy_(host, non_blocking=True)
+    # Its host buffer back to the pool once copied, as after the engine's own restores.
+    event = engine.s1.record_event()
+    engine._pending_cpu_buffers.append((buffer, host, event))
+    return tensor, event
+
+
+def _arrived(engine, token):
+    """The tensor of a token: an engine's id, what _fetch returned for one, or the tensor that the engine left alone."""
+    tensor, event = _fetch(engine, token) if type(token) is int else token if type(token) is tuple else (token, None)
+    if event is not None:
+        engine.compute_stream.wait_event(event)
+        tensor.record_stream(engine.compute_stream)
+    return tensor
+
+
+def _saves_on_cpu():
+    """Whether torch's save_on_cpu (transformers' offload=True) is the saved-tensors hook around the running checkpoint
+    (on top, or under a non-reentrant checkpoint's own), each known by the closure its constructor makes."""
+    hooks = top = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    if top is not None and _made_by(top[0], torch.utils.checkpoint._checkpoint_hook):
+        torch._C._autograd._pop_saved_tensors_default_hooks()
+        hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
+        torch._C._autograd._push_saved_tensors_default_hooks(*top)
+    return hooks is not None and _made_by(hooks[0], save_on_cpu)
+
+
+def _made_by(hook, hooks_class):
+    return getattr(hook, "__code__", None) in hooks_class.__init__.__code__.co_consts
+
 
 class _CheckpointCall:
     """One checkpointed call of a stashed decoder layer, run by the layer's checkpoint in place of the layer's function
@@ -609,16 +658,18 @@ class _CheckpointCall:
     # entry in it; a _Kept per attention call of the first pass, None once taken; the first pass's masks (and
     # position_ids) by (call index, role): (True, identity) held by the checkpoint, (False, (shape, dtype), digest)
     # built in the layer; whether the first pass applied the stash's node (then the recompute is the stash's, also
-    # after a removal); whether this pass runs the stash's attention.
-    passes, calls, reached, kept, masks, recorded, serving = 0, 0, False, (), None, False, True
+    # after a removal); whether this pass runs the stash's attention; the offload engine the first pass hands what it
+    # keeps to (None: kept on the device), and that engine's stats then, which its reset replaces with its ids.
+    passes, calls, reached, kept, masks, recorded, serving, engine, stats = 0, 0, False, (
+    ), None, False, True, None, None
 
-    def __init__(self, stash, function):
-        self.stash, self.function = stash, function
+    def __init__(self, stash, function, checkpoint_function=None):
+        self.stash, self.function, self.checkpoint_function = stash, function, checkpoint_function
 
     def __call__(self, *args, **kwargs):
         passes = self.passes = self.passes + 1
         if passes == 1:
-            self.kept = []
+            self.kept, self.engine = [], self.stash.offload_engine(self.checkpoint_function)
         elif passes > 2:
             raise AttentionStashError(f"{_FEATURE} needs one backward per forward of {self.stash.name}, got a "
                                       f"second backward through a retained graph (backward(retain_graph=True)): the "
@@ -632,6 +683,10 @@ class _CheckpointCall:
         previous = _state.call
         _state.call = self
         try:
+            if passes == 2 and self.engine is not None:
+                # Outside the checkpoint's dispatch modes (a selective-checkpointing policy's), as in the first pass.
+                with _disable_current_modes():
+                    self._restore()
             outputs = self.function(*args, **kwargs)
         except _StopRecomputationError:
             # A non-reentrant recompute stopped at its last save: each of its attention calls has run by then.
@@ -647,6 +702,9 @@ class _CheckpointCall:
             _state.call = previous
         if passes == 1 and not self.calls and serving:
             self.stash.raise_without_attention_call(self.reached)
+        if passes == 1 and self.engine is not None:
+            with _disable_current_modes():
+                self._offload()
         if passes == 2:
             if self.calls != len(self.kept) and serving:
                 self._check_recompute_calls()
@@ -707,11 +765,7 @@ class _CheckpointCall:
                                           f"with its forward's arguments, got another {differing} (attention call "
                                           f"{index + 1}): the kept output is the forward's. "
                                           f"{arguments.fix(differing)}.")
-            if entry.output._version != entry.version:
-                raise AttentionStashError(f"{_FEATURE} needs the attention output of {self.stash.name} unchanged from "
-                                          f"its forward to its recompute, got an in-place change of it (or of a view "
-                                          f"of it) in the forward. Change a copy of the attention output, or remove "
-                                          f"the stash from this layer.")
+            self._check_unchanged(entry)
             kept[index] = None
             try:
                 out = _apply_node(query, key, value, mask, entry)
@@ -724,6 +778,50 @@ class _CheckpointCall:
                 raise
             self.stash.counters.take(entry.nbytes, served=True)
         return out[..., :head_dim] if padded else out
+
+    def _check_unchanged(self, entry):
+        if entry.output._version != entry.version:
+            self._release()
+            raise AttentionStashError(
+                f"{_FEATURE} needs the attention output of {self.stash.name} unchanged from its "
+                f"forward to its recompute, got an in-place change of it (or of a view of it) in "
+                f"the forward. Change a copy of the attention output, or remove the stash from "
+                f"this layer.")
+
+    def _offload(self):
+        """Hand each kept log-sum-exp, then output, to the offload engine, which copies them to host memory as newer
+        ones pass its keep-last window (one tensor in DeepSpeed's): the last output stays on the device."""
+        counters, self.stats, engine = self.stash.counters, self.engine.stats, self.engine
+        for entry in self.kept:
+            self._check_unchanged(entry)
+            tensors = entry.tensors[0], entry.output
+            # An id of the engine's, or the tensor itself where the engine leaves it (too small, on a host device).
+            entry.host = tuple(engine.offload_input(tensor) or tensor for tensor in tensors)
+            counters.offloaded_bytes += sum(t.nbytes for t, token in zip(tensors, entry.host) if token is not t)
+            entry.tensors, entry.output = (None, *entry.tensors[1:]), None
+        counters.offloaded.append(weakref.ref(self))
+
+    def _restore(self):
+        """Bring this recompute's kept outputs back (prefetched by the one before), and start bringing back those of
+        the first pass before this one, whose recompute comes next."""
+        engine, counters = self.engine, self.stash.counters
+        if engine.stats is not self.stats:
+            raise AttentionStashError(f"{_FEATURE} needs the offload engine of {self.stash.name} to hold its kept "
+                                      f"output until the recompute, got the engine reset since (deepspeed."
+                                      f"checkpointing.reset(), an offload context entered again). Run each backward "
+                                      f"before the engine resets.")
+        for entry in self.kept:
+            tensors = tuple(_arrived(engine, token) for token in entry.host)
+            counters.restored_bytes += sum(t.nbytes for t, token in zip(tensors, entry.host) if token is not t)
+            entry.tensors, entry.output, entry.host = (tensors[0], *entry.tensors[1:]), tensors[1], None
+            entry.version = entry.output._version
+        pending = counters.offloaded
+        while pending and (pending[-1]() in (None, self) or not pending[-1]().kept):
+            pending.pop()
+        following = pending[-1]() if pending else None
+        for entry in following.kept if following is not None and following.engine is engine else ():
+            if entry is not None and entry.host:
+                entry.host = tuple(_fetch(engine, token) if type(token) is int else token for token in entry.host)
 
     def _raise_unlike_forward(self, index, ops, query, device_type=None, choice=None):
         """Raise for an attention call without a kernel the stash replays, or a recompute's call that differs from its
@@ -853,10 +951,13 @@ class _CheckpointCall:
             isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() == pointer for value in bound)
 
     def _release(self, blocking=True):
-        """Count every entry not taken released, and let go of them."""
+        """Count every entry not taken released, and let go of them: offloaded, taken back from the engine, which has
+        no other way to let go of a tensor (and of its host buffer, to its pool), and dropped."""
         for entry in self.kept:
             if entry is not None:
                 self.stash.counters.take(entry.nbytes, served=False)
+                for token in entry.host if entry.host and self.engine.stats is self.stats else ():
+                    _arrived(self.engine, token)
         self.kept = ()
         self._settle(blocking)
 
@@ -884,6 +985,12 @@ class _Counters:
     released_without_backward: int = 0
     # Layers whose compiled graph saves the attention kernel's outputs, as the checkpoint's policy was asked to.
     compiled: set = dataclasses.field(default_factory=set)
+    # Offload: bytes handed to an engine and taken back; the calls offloaded, by weak reference in first-pass order
+    # (their recomputes come last first); the install's own engine (None for offload=False).
+    offloaded_bytes: int = 0
+    restored_bytes: int = 0
+    offloaded: list = dataclasses.field(default_factory=list)
+    engine: object = None
 
     def add(self, nbytes):
         self.kept += 1
@@ -1287,16 +1394,16 @@ class _LayerStash:
     """The stash of one decoder layer, which wraps each checkpointed call in a ``_CheckpointCall``: its name,
     implementation, config, layer and modules (only their attention calls are the layer's), model, counters, whether it
     is active, the stored checkpoint function wrapped for the last read, whether the layer was checkpointed at the
-    install or since (a training forward without checkpointing then stands aside), and whether it stands aside, warned
-    of, since its last checkpointed call."""
+    install or since (a training forward without checkpointing then stands aside), whether it stands aside, warned
+    of, since its last checkpointed call, and the install's ``offload``."""
 
-    def __init__(self, plan, model, counters):
+    def __init__(self, plan, model, counters, offload=None):
         self.key = next(_KEYS)
         _BY_KEY[self.key] = self
         self.name, self.implementation, self.config = plan.name, plan.implementation, plan.config
         self.layer, self.modules = weakref.ref(plan.layer), weakref.WeakSet(plan.layer.modules())
         self.model, self.counters, self.active, self.wrapped = weakref.ref(model), counters, True, None
-        self.checkpointed, self.aside = plan.layer.gradient_checkpointing is True, False
+        self.checkpointed, self.aside, self.offload = plan.layer.gradient_checkpointing is True, False, offload
 
     def checkpoint(self, checkpoint_function, function, *args, **kwargs):
         """The layer's checkpoint function, as the stash hands it to Hugging Face's checkpointed call."""
@@ -1313,12 +1420,34 @@ class _LayerStash:
                 _refuse_compiled(
                     self, "non-reentrant checkpointing", "use_reentrant=True, which torch.compile never runs: dynamo "
                     "traces every checkpoint as non-reentrant", "Enable checkpointing with use_reentrant=False")
+            if self.offload:
+                _refuse_compiled(self, "its kept outputs on the device", "offload=True: the compiled graph saves them "
+                                 "itself", "Install with offload=None")
             if not compiling:
                 _refuse_compiled(self, "dynamo's tracing", *_graph_break(self))
             # Traced by dynamo, as its checkpoint operator: the checkpoint's policy saves the kernel's outputs.
             contexts = partial(_compiled_contexts, self.key, keywords.get("context_fn"))
             return checkpoint_function(function, *args, **kwargs, context_fn=contexts)
-        return checkpoint_function(_CheckpointCall(self, function), *args, **kwargs)
+        context_fn = getattr(checkpoint_function, "keywords", {}).get("context_fn")
+        if context_fn is not None:
+            # A policy's cache of the kernel's outputs would hold what the stash keeps on the device, offloaded too.
+            record = _implementation(self.implementation)
+            kwargs["context_fn"] = partial(_uncached_contexts, record.compiled_ops(record), context_fn)
+        return checkpoint_function(_CheckpointCall(self, function, checkpoint_function), *args, **kwargs)
+
+    def offload_engine(self, checkpoint_function):
+        """The offload engine of a first pass (None keeps on the device): that of a checkpoint that offloads its inputs
+        (DeepSpeed's CheckpointHiddenStatesOffload active now, cpu_checkpointing's), else the install's own where the
+        checkpoint offloads without one (save_on_cpu, partitioned cpu_checkpointing) or offload is True."""
+        if self.offload is False:
+            return None
+        engine = _current_manager()
+        if (engine is None and _ds_checkpointing.CPU_CHECKPOINT
+                and getattr(checkpoint_function, "func", checkpoint_function) in _DS_CHECKPOINTS):
+            engine = _ds_checkpointing._get_cpu_offload_engine() or self.counters.engine
+        if engine is None and (self.offload or _saves_on_cpu()):
+            engine = self.counters.engine
+        return engine
 
     def outside_checkpoint(self):
         """For a training call of the layer's attention that the stash's checkpoint call does not run: stand aside
@@ -1461,6 +1590,22 @@ _SLOT = _CheckpointFunctionSlot()
 _KEYS = itertools.count()
 _BY_KEY = weakref.WeakValueDictionary()
 _LAYER_STASHES = {}
+
+_DS_CHECKPOINTS = (_ds_checkpointing.checkpoint, _ds_checkpointing.non_reentrant_checkpoint)
+
+
+def _uncached_contexts(ops, context_fn):
+    """A checkpoint's own contexts, a selective-checkpointing policy's made to recompute ``ops``, the kernels the stash
+    serves, instead of caching them: the stash keeps their outputs, and the recompute never runs them."""
+    contexts = context_fn()
+    if hasattr(contexts[0], "policy_fn"):
+        contexts[0].policy_fn = partial(_uncached_policy, ops, contexts[0].policy_fn)
+    return contexts
+
+
+def _uncached_policy(ops, policy, ctx, op, *args, **kwargs):
+    name = getattr(getattr(op, "_schema", None), "name", None)
+    return _Policy.PREFER_RECOMPUTE if name in ops else policy(ctx, op, *args, **kwargs)
 
 
 def _compiled_contexts(key, context_fn):
@@ -1971,12 +2116,17 @@ def _layer_bytes(model, micro_batch_size, sequence_length, dtype, device, ranks,
         yield plan, nbytes
 
 
-def _fitting_layers(sizes, memory_budget, micro_batches_in_flight):
-    """The (plan, bytes) of the layers ``sizes`` yields, last first, as long as they fit ``memory_budget``."""
+# Offloaded, the layers' kept outputs on the device at most: the one recomputed and the next one, prefetched.
+_OFFLOAD_WINDOW = 2
+
+
+def _fitting_layers(sizes, memory_budget, micro_batches_in_flight, offload=False):
+    """The (plan, bytes) of the layers ``sizes`` yields, last first, as long as they fit ``memory_budget`` on the
+    device: offloaded, as long as any _OFFLOAD_WINDOW consecutive ones fit."""
     if isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float)) or not memory_budget >= 0:
         raise ValueError(f"{_FEATURE} needs a memory_budget in bytes of 0 or more, got {memory_budget!r}.")
     _check_positive_int("micro_batches_in_flight", micro_batches_in_flight)
-    total, fitting = 0, []
+    fitting = []
     while True:
         try:
             size = next(sizes)
@@ -1987,8 +2137,8 @@ def _fitting_layers(sizes, memory_budget, micro_batches_in_flight):
             if fitting:
                 return fitting
             raise
-        total += size[1] * micro_batches_in_flight
-        if total > memory_budget:
+        window = fitting[1 - _OFFLOAD_WINDOW:] if offload else fitting
+        if (sum(nbytes for _, nbytes in window) + size[1]) * micro_batches_in_flight > memory_budget:
             return fitting
         fitting.append(size)
 
@@ -2010,9 +2160,10 @@ def _check_unshared(model, layer_class, chosen):
                                           f"are stashed, or neither.")
 
 
-def _install_message(model, chosen, records, plans, others, sizes, micro_batch_size, sequence_length, ranks):
-    """The install's log line: what is stashed, at what cost (the planner's words where it cannot tell), what is left
-    out and why, the checkpoint mode and the implementations (``records``, the chosen layers'). It never raises."""
+def _install_message(model, chosen, records, plans, others, sizes, micro_batch_size, sequence_length, ranks, offload):
+    """The install's log line: what is stashed, at what cost (the planner's words where it cannot tell) and where,
+    what is left out and why, the checkpoint mode and the implementations (``records``, the chosen layers'). It never
+    raises."""
     dtype = _model_dtype(model)
     served = " and ".join(f'"{name}"' +
                           (f" ({_FLASH_INTERFACES[name].description})" if name in _FLASH_INTERFACES else "")
@@ -2044,10 +2195,15 @@ def _install_message(model, chosen, records, plans, others, sizes, micro_batch_s
                 "before this install recompiles once)" if all(
                     record.compiled_ops(record)
                     for record in records) else "under torch.compile, refused: dynamo cannot trace these kernels")
+    where = {
+        None: "in host memory where a layer's checkpoint offloads its inputs, else on the device",
+        True: f"in host memory, {_OFFLOAD_WINDOW} layers' on the device at most",
+        False: "on the device"
+    }[offload]
     message = (f"{_FEATURE}: keeping the attention output of {len(chosen)} of {len(plans)} attention layers "
-               f"({chosen[0].name} to {chosen[-1].name}) for their recompute: {cost}; {mode}: the recompute replays "
-               f"the kept output through the kernel's backward, in either mode; {compiled}; attn_implementation "
-               f"{served}.")
+               f"({chosen[0].name} to {chosen[-1].name}) for their recompute: {cost}, {where}; {mode}: the "
+               f"recompute replays the kept output through the kernel's backward, in either mode; {compiled}; "
+               f"attn_implementation {served}.")
     if others:
         reasons = Counter(why for _, why in others)
         message += " Left out: " + "; ".join(
@@ -2087,15 +2243,16 @@ def attention_stash_layers_for_budget(model: torch.nn.Module,
                                       micro_batches_in_flight: int = 1,
                                       dtype: torch.dtype = None,
                                       device=None,
-                                      sequence_parallel_size: int = None) -> int:
+                                      sequence_parallel_size: int = None,
+                                      offload: bool = False) -> int:
     """The largest ``num_layers`` whose stash fits ``memory_budget`` bytes (one rank's under ALST); 0 where none does.
     Each stashed layer keeps ``attention_stash_layer_bytes`` per micro-batch in flight: one, unless a schedule runs
-    several forwards before their backwards (pipeline schedules)."""
+    several forwards before their backwards (pipeline schedules). Offloaded, the device holds two layers' at most."""
     _, attention_functions = transformers_objects = _entry_points()
     plans, _ = _model_plans(model, *transformers_objects)
     ranks, _ = _sequence_parallel_ranks(sequence_parallel_size, plans, attention_functions)
     sizes = _layer_bytes(model, micro_batch_size, sequence_length, dtype or _model_dtype(model), device, ranks, plans)
-    return len(_fitting_layers(sizes, memory_budget, micro_batches_in_flight))
+    return len(_fitting_layers(sizes, memory_budget, micro_batches_in_flight, offload))
 
 
 class AttentionStashHandle:
@@ -2128,6 +2285,10 @@ class AttentionStashHandle:
     peak_kept_bytes = property(lambda self: self._counters.peak_kept_bytes)
     recomputes_served = property(lambda self: self._counters.recomputes_served)
     released_without_backward = property(lambda self: self._counters.released_without_backward)
+    # Bytes of kept outputs and log-sum-exps handed to an offload engine (which keeps its keep-last window on the
+    # device and copies the rest to host memory), and taken back for recomputes.
+    offloaded_bytes = property(lambda self: self._counters.offloaded_bytes)
+    restored_bytes = property(lambda self: self._counters.restored_bytes)
 
     def __reduce__(self):
         # A copy or pickle of the handle (or of a model that holds it) stashes nothing: the stash is the original's.
@@ -2155,7 +2316,8 @@ def install_attention_stash(model: torch.nn.Module,
                             micro_batch_size: int = None,
                             sequence_length: int = None,
                             micro_batches_in_flight: int = 1,
-                            sequence_parallel_size: int = None) -> AttentionStashHandle:
+                            sequence_parallel_size: int = None,
+                            offload: bool = None) -> AttentionStashHandle:
     """Keep the attention output of the last ``num_layers`` decoder layers for their checkpoint recompute.
 
     ``model`` is a Hugging Face model loaded with ``attn_implementation="sdpa"``, ``"flash_attention_2"``,
@@ -2177,6 +2339,11 @@ def install_attention_stash(model: torch.nn.Module,
     Under ``torch.compile`` (non-reentrant checkpointing; sdpa, flash-attn 2, or a Hub build whose kernels are custom
     ops) a stashed layer's checkpoint gets a selective-checkpointing policy that saves the kernel's outputs instead;
     ``handle.compiled_layers`` names them.
+
+    ``offload=None`` sends what a layer keeps to host memory where its checkpoint offloads its inputs (DeepSpeed's
+    ``CheckpointHiddenStatesOffload`` or ``cpu_checkpointing``, transformers' ``offload=True``), through its engine
+    where it has one, and brings it back for the recompute (the next layer's prefetched); ``True`` everywhere, ``False``
+    nowhere. Offloaded, ``memory_budget`` counts two layers on the device at most.
     Forwards without a backward run stock attention and keep nothing. What the stash cannot serve raises an
     ``AttentionStashError`` naming the cause and the fix, never falling back: attention dropout, a ``torch.func``
     transform, an SDPA backend without an exact replay, a recompute unlike its forward, among others.
@@ -2190,6 +2357,9 @@ def install_attention_stash(model: torch.nn.Module,
                         f"{'both' if num_layers is not None else 'neither'}.")
     if num_layers is not None and (isinstance(num_layers, bool) or not isinstance(num_layers, int)):
         raise TypeError(f"{_FEATURE} needs an integer num_layers, got {type(num_layers).__name__}.")
+    if offload not in (None, True, False):
+        raise TypeError(f"{_FEATURE} needs offload None (follow the checkpoint's offload), True or False, got "
+                        f"{offload!r}.")
     if memory_budget is not None and (micro_batch_size is None or sequence_length is None):
         raise TypeError(f"{_FEATURE} needs micro_batch_size and sequence_length with memory_budget, to size what each "
                         f"layer keeps.")
@@ -2206,7 +2376,7 @@ def install_attention_stash(model: torch.nn.Module,
     planned = partial(_layer_bytes, model, micro_batch_size, sequence_length, _model_dtype(model), None, ranks[0])
     sizes = None
     if memory_budget is not None:
-        sizes = _fitting_layers(planned(plans), memory_budget, micro_batches_in_flight)
+        sizes = _fitting_layers(planned(plans), memory_budget, micro_batches_in_flight, offload is True)
         num_layers = len(sizes)
         if num_layers == 0:
             raise ValueError(f"{_FEATURE} needs a memory_budget of at least one layer's {next(planned(plans))[1]:,} "
@@ -2230,9 +2400,11 @@ def install_attention_stash(model: torch.nn.Module,
                                       f"{_CHECKPOINT_FUNCTION} on {type(plan.layer).__name__}. Remove that attribute "
                                       f"from the class.")
     _check_unshared(model, layer_class, chosen)
-    message = _install_message(model, chosen, records, plans, others, sizes, micro_batch_size, sequence_length, ranks)
+    message = _install_message(model, chosen, records, plans, others, sizes, micro_batch_size, sequence_length, ranks,
+                               offload)
 
-    counters = _Counters()
+    # DeepSpeed cpu_checkpointing's settings for the install's own engine.
+    counters = _Counters(engine=None if offload is False else _ActivationOffloadEngine(min_offload_bytes=0))
     with _LOCK:
         for plan in chosen:
             if plan.layer in _STASHES:
@@ -2248,7 +2420,7 @@ def install_attention_stash(model: torch.nn.Module,
             raise
         stashes = []
         for plan in chosen:
-            stash = _LayerStash(plan, model, counters)
+            stash = _LayerStash(plan, model, counters, offload)
             for module in plan.layer.modules():
                 _STASHES[module] = stash
             _LAYER_STASHES[id(plan.layer)] = stash

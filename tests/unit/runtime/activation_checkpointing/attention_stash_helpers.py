@@ -442,3 +442,43 @@ def deepspeed_config(stage=0, bf16=False, accumulation=1, **extra):
     if bf16:
         config["bf16"] = {"enabled": True}
     return config
+
+
+class UnsynchronizedCPU:
+    """DeepSpeed's CPU accelerator as DeepSpeed's offload modules see it in offload_copies_on_cpu: an unsynchronized
+    device (without streams, as the CPU accelerator has none), which records the host buffers it pins."""
+
+    def __init__(self, accelerator, pinned):
+        self._accelerator, self._pinned = accelerator, pinned
+
+    def is_synchronized_device(self):
+        return False
+
+    def pin_memory(self, tensor, *args, **kwargs):
+        self._pinned[tensor.untyped_storage().data_ptr()] = tensor
+        return self._accelerator.pin_memory(tensor, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._accelerator, name)
+
+
+def offload_copies_on_cpu(pinned):
+    """A context in which DeepSpeed's offload engines copy on CPU, where DeepSpeed's CPU accelerator, a synchronized
+    device, has them copy nothing: its offload modules (offload_activations.py, checkpointing.py's cpu_checkpointing)
+    see an UnsynchronizedCPU, which records each host buffer pinned in ``pinned`` (a dict, by storage pointer; held,
+    so that no other tensor takes one's address); only they, since ZeRO-3, for one, records streams on an
+    unsynchronized device. torch's save_on_cpu (transformers' offload=True) pins where torch.cpu.is_available(), which
+    a CPU-only build cannot: turned off. DeepSpeed's shared cpu_checkpointing engine is made anew inside, dropped
+    after."""
+    from unittest import mock
+
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.runtime.activation_checkpointing import checkpointing, offload_activations
+
+    accelerator = UnsynchronizedCPU(get_accelerator(), pinned)
+    stack = contextlib.ExitStack()
+    for module in (offload_activations, checkpointing):
+        stack.enter_context(mock.patch.object(module, "get_accelerator", lambda: accelerator))
+    stack.enter_context(mock.patch.object(torch.cpu, "is_available", lambda: False))
+    stack.enter_context(mock.patch.object(checkpointing, "_cpu_offload_engine", None))
+    return stack

@@ -8,8 +8,8 @@ For each checkpoint mode, a tiny Llama trains two steps of different sequence le
 length) on each rank's shard with ALST alone, which is the reference; then with the stash installed before ALST
 registers, and with ALST registered before the install (DeepSpeed's tutorial's order); then the same model after
 ``remove()``. Then the rest of an ALST setup, each against the same setup without the stash: DeepSpeed's TiledMLP in
-every layer, batches from UlyssesSPDataLoaderAdapter, CheckpointHiddenStatesOffload around non-reentrant
-checkpointing, and a reentrant checkpoint function that moves each layer's input to the host in the forward and back
+every layer, batches from UlyssesSPDataLoaderAdapter, CheckpointHiddenStatesOffload around either checkpoint mode
+(its engine made to copy on CPU, which the stash's kept outputs follow to the host), and a reentrant checkpoint function that moves each layer's input to the host in the forward and back
 for the recompute. Each rank writes its report as JSON to ``rank<N>.json`` in the folder given as the first argument.
 """
 
@@ -28,7 +28,7 @@ import torch  # noqa: E402
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: E402
 
 from attention_stash_helpers import NUM_LAYERS, assert_stock_process, batch_ids, checkpointed  # noqa: E402
-from attention_stash_helpers import llama_model, logged_messages, param_grads  # noqa: E402
+from attention_stash_helpers import llama_model, logged_messages, offload_copies_on_cpu, param_grads  # noqa: E402
 from deepspeed.runtime.activation_checkpointing import attention_stash  # noqa: E402
 from deepspeed.runtime.activation_checkpointing.attention_stash import AttentionStashError  # noqa: E402
 from deepspeed.runtime.sequence_parallel import parallel_state_sp as mpu  # noqa: E402
@@ -174,7 +174,7 @@ def host_offloaded_checkpoint(function, hidden_states, *args, **kwargs):
 
 def with_and_without_the_stash(rank, prepare, run, report, key):
     """``run`` on a model that ``prepare`` set up under ALST, without and then with the stash: bitwise, every layer
-    served, nothing kept after."""
+    served, nothing kept after, the bytes offloaded and brought back."""
     results = []
     for stashed in (False, True):
         model = prepare(llama_model())
@@ -183,6 +183,8 @@ def with_and_without_the_stash(rank, prepare, run, report, key):
         results.append(run(model))
         if handle is not None:
             report[key] = {"served": handle.recomputes_served, "kept": handle.kept_bytes}
+            if handle.offloaded_bytes:
+                report[key].update(offloaded=handle.offloaded_bytes, restored=handle.restored_bytes)
             handle.remove()
         unregister_alst()
     report[key]["bitwise"] = same(*results)
@@ -221,11 +223,13 @@ def rest_of_the_setup(rank, report):
     def offloaded(model):
         from deepspeed.runtime.activation_checkpointing.offload_activations import CheckpointHiddenStatesOffload
 
-        with CheckpointHiddenStatesOffload():
+        # Its engine copies on CPU here: the stash's kept outputs follow the hidden states to the host.
+        with offload_copies_on_cpu({}), CheckpointHiddenStatesOffload():
             return step(model, sequence, rank)[:2]
 
-    with_and_without_the_stash(rank, lambda model: checkpointed(model, use_reentrant=False), offloaded, report,
-                               "hidden_states_offload")
+    for use_reentrant in (False, True):
+        with_and_without_the_stash(rank, lambda model: checkpointed(model, use_reentrant=use_reentrant), offloaded,
+                                   report, "hidden_states_offload" + "_reentrant" * use_reentrant)
 
     def host_checkpoint(model):
         model = checkpointed(model, use_reentrant=True)

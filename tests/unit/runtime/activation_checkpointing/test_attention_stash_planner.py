@@ -178,7 +178,8 @@ def test_install_without_geometry_logs_that_the_cost_is_unknown(install, monkeyp
         handle = install(model, 1)
     assert handle.layers == ("model.layers.2", )
     (message, ) = messages
-    assert "for their recompute: a cost the planner cannot tell for these attention modules;" in message
+    assert ("for their recompute: a cost the planner cannot tell for these attention modules, in host memory where a "
+            "layer's checkpoint offloads its inputs, else on the device;") in message
 
 
 @pytest.mark.parametrize("shape", [{}, dict(micro_batch_size=2, sequence_length=32)], ids=["no_shape", "shape"])

@@ -106,9 +106,10 @@ def test_stash_under_the_policy(install, model_name):
 
 # ---------------------------------------------------------------------------------------------------------------------
 # TRL's selective checkpointing (gradient_checkpointing_kwargs={"selective": True}), the one-flag alternative, and the
-# stash on the same model: the stash serves every recompute, and each keeps its own copy of every stashed layer's
-# attention output and log-sum-exp from the forward to the recompute (TRL's policy caches the kernel's outputs, which
-# the served recompute never reads), twice the stash's memory for the training selective alone gives.
+# stash on the same model: the stash serves every recompute and keeps the one copy of every stashed layer's attention
+# output and log-sum-exp from the forward to the recompute. TRL's policy would cache the kernel's outputs too, a second
+# reference to the same storages (never read: the served recompute runs no kernel), which would keep them on the device
+# where the stash offloads its own; the stash's checkpoint makes the policy recompute the kernel it serves instead.
 # ---------------------------------------------------------------------------------------------------------------------
 
 
@@ -130,12 +131,23 @@ def _of_an_attention_output(tensor):
     return tuple(tensor.shape) in ((2, 4, 32, 16), (2, 4, 32))
 
 
+def attention_storages(before):
+    """(tensors, distinct storages) of the attention outputs and log-sum-exps alive now and not in ``before``: views
+    and detached aliases share a storage, a copy (a clone, a cast) has its own."""
+    from attention_stash_helpers import tensors
+
+    owned = {id(tensor) for tensor in before}
+    alive = [tensor for tensor in tensors() if id(tensor) not in owned and _of_an_attention_output(tensor)]
+    return len(alive), len({tensor.untyped_storage().data_ptr() for tensor in alive})
+
+
 @pytest.mark.parametrize("order", ["stash_first", "selective_first"])
 @pytest.mark.parametrize("model_name", MAKE_MODEL)
 def test_trls_selective_and_the_stash_train_as_selective_alone(install, model_name, order):
     """TRL's selective checkpointing and the stash, installed in either order: every step bitwise that of TRL's alone,
-    the attention forward once per layer and step, every recompute served; after the forward both copies of each
-    layer's output and log-sum-exp are alive (the stash's and TRL's), after the backward none."""
+    the attention forward once per layer and step, every recompute served; after the forward one copy of each layer's
+    output and log-sum-exp is alive, the stash's, held once (TRL's policy caches none of them), after the backward
+    none."""
     pytest.importorskip("trl", reason="TRL's selective checkpointing needs trl (requirements/requirements-dev.txt)")
     from attention_stash_helpers import live_checkpoint_calls, live_tensors, tensors
 
@@ -155,8 +167,8 @@ def test_trls_selective_and_the_stash_train_as_selective_alone(install, model_na
     before = tensors()
     ids = batch_ids(seed=STEPS + 1)
     loss = model(input_ids=ids, labels=ids).loss
-    # Per layer: the stash's output and log-sum-exp, and TRL's cached copies of both.
-    assert len(live_tensors(before, counted=_of_an_attention_output)) == 2 * 2 * NUM_LAYERS
+    # Per layer: the stash's output and log-sum-exp, each in a storage of its own.
+    assert attention_storages(before) == (2 * NUM_LAYERS, 2 * NUM_LAYERS)
     assert handle.num_kept == NUM_LAYERS
     loss.backward()
     del loss

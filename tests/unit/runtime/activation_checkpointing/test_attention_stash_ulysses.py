@@ -67,14 +67,23 @@ def test_the_planner_counts_one_ranks_bytes(reports, order, mode):
                     f"sequence 16)") in case["install_line"]
 
 
-@pytest.mark.parametrize("setup",
-                         ["tiled_mlp", "data_loader_adapter", "hidden_states_offload", "host_offloaded_checkpoint"])
+@pytest.mark.parametrize("setup", [
+    "tiled_mlp", "data_loader_adapter", "hidden_states_offload", "hidden_states_offload_reentrant",
+    "host_offloaded_checkpoint"
+])
 def test_the_rest_of_an_alst_setup_composes(reports, setup):
-    """DeepSpeed's TiledMLP in every layer, batches from UlyssesSPDataLoaderAdapter, CheckpointHiddenStatesOffload,
-    and a checkpoint that keeps each layer's input on the host: bitwise against the same setup without the stash,
-    every layer served, nothing kept after the step."""
+    """DeepSpeed's TiledMLP in every layer, batches from UlyssesSPDataLoaderAdapter, CheckpointHiddenStatesOffload
+    (in both checkpoint modes, its engine copying on CPU), and a checkpoint that keeps each layer's input on the host:
+    bitwise against the same setup without the stash, every layer served, nothing kept after the step. Under
+    CheckpointHiddenStatesOffload each rank's kept outputs and log-sum-exps, its share of the heads over the whole
+    sequence, went to the host with the hidden states and came back, byte for byte; its log-sum-exps, below the
+    engine's min_offload_bytes (1,024 bytes by default), stayed on the device."""
+    expected = {"served": NUM_LAYERS, "kept": 0, "bitwise": True}
+    if setup.startswith("hidden_states_offload"):
+        # 3 layers x micro-batch 2 x 2 heads x sequence 16 x 16 x 4 bytes of output (log-sum-exps: 256 bytes each).
+        expected.update(dict.fromkeys(("offloaded", "restored"), NUM_LAYERS * 2 * 2 * SEQUENCES[0] * 16 * 4))
     for report in reports:
-        assert report[setup] == {"served": NUM_LAYERS, "kept": 0, "bitwise": True}, report["rank"]
+        assert report[setup] == expected, report["rank"]
 
 
 @pytest.mark.parametrize("mode", ["reentrant", "non_reentrant"])
