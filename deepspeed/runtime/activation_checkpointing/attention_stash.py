@@ -15,7 +15,8 @@ Contents, in reading order:
   3's, from a package or a Hub kernel), and ``_AttentionNode``, the one autograd node that runs or replays a kernel in
   both passes of both checkpoint modes.
 - One checkpoint call: ``_CheckpointCall``, run by a stashed layer's checkpoint in place of the layer's function, with
-  the one skeleton of an attention call; under torch.compile, the checkpoint's selective-checkpointing policy instead.
+  the one skeleton of an attention call, and what it keeps offloaded where the checkpoint offloads its inputs
+  (DeepSpeed's offload engine); under torch.compile, the checkpoint's selective-checkpointing policy instead.
 - The implementations table: a record per attention implementation served ("sdpa", "flash_attention_2",
   "flash_attention_3", a Hub kernel's): how the stash's copy of Hugging Face's function reaches the checkpoint call,
   how its kernels are loaded and checked, its planner geometry.
@@ -47,6 +48,7 @@ from torch.autograd.graph import save_on_cpu
 from torch.utils.checkpoint import CheckpointPolicy as _Policy
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
+from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.activation_checkpointing import checkpointing as _ds_checkpointing
 from deepspeed.runtime.activation_checkpointing.offload_activations import _ActivationOffloadEngine, _current_manager
 from deepspeed.utils import log_dist, logger
@@ -606,23 +608,15 @@ _state = _ThreadState()
 # hold stays meanwhile, since only the stash's recompute gives that node's saves.
 _RECORDED = weakref.WeakSet()
 
-# Offload, through DeepSpeed's _ActivationOffloadEngine, whose ids stand in for what a first pass keeps. Its
-# restore_input makes the compute stream wait for the copy at once; the stash knows its recompute order, so _fetch
-# starts the copies of the next recompute on the engine's side stream, and _arrived waits for them at their use.
-
 
 def _fetch(engine, token):
-    """(tensor, event to wait for) of an offloaded tensor, its copy to the device started: the device tensor itself
-    where the engine holds it (its keep-last window, copies off the device not done yet) or has no side stream."""
-    if not engine.use_streams or token not in engine._tracker or token in engine._fwd_stash:
+    """(tensor, event) of id ``token`` of DeepSpeed's _ActivationOffloadEngine, its copy back started: run on its side
+    stream, restore_input waits there, and the compute stream at the tensor's use (_arrived), not before."""
+    if not engine.use_streams:
         return engine.restore_input(token), None
-    host, device, shape, stride, buffer = engine._tracker.pop(token)
-    with engine._stream_context(engine.s1):
-        tensor = torch.empty_strided(shape, stride, dtype=host.dtype, device=device).copy_(host, non_blocking=True)
-    # Its host buffer back to the pool once copied, as after the engine's own restores.
-    event = engine.s1.record_event()
-    engine._pending_cpu_buffers.append((buffer, host, event))
-    return tensor, event
+    with get_accelerator().stream(engine.s1):
+        tensor = engine.restore_input(token)
+    return tensor, engine.s1.record_event()
 
 
 def _arrived(engine, token):
@@ -637,16 +631,13 @@ def _arrived(engine, token):
 def _saves_on_cpu():
     """Whether torch's save_on_cpu (transformers' offload=True) is the saved-tensors hook around the running checkpoint
     (on top, or under a non-reentrant checkpoint's own), each known by the closure its constructor makes."""
+    made = [hooks.__init__.__code__.co_consts for hooks in (torch.utils.checkpoint._checkpoint_hook, save_on_cpu)]
     hooks = top = torch._C._autograd._top_saved_tensors_default_hooks(True)
-    if top is not None and _made_by(top[0], torch.utils.checkpoint._checkpoint_hook):
+    if top is not None and getattr(top[0], "__code__", None) in made[0]:
         torch._C._autograd._pop_saved_tensors_default_hooks()
         hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
         torch._C._autograd._push_saved_tensors_default_hooks(*top)
-    return hooks is not None and _made_by(hooks[0], save_on_cpu)
-
-
-def _made_by(hook, hooks_class):
-    return getattr(hook, "__code__", None) in hooks_class.__init__.__code__.co_consts
+    return hooks is not None and getattr(hooks[0], "__code__", None) in made[1]
 
 
 class _CheckpointCall:
@@ -658,10 +649,10 @@ class _CheckpointCall:
     # entry in it; a _Kept per attention call of the first pass, None once taken; the first pass's masks (and
     # position_ids) by (call index, role): (True, identity) held by the checkpoint, (False, (shape, dtype), digest)
     # built in the layer; whether the first pass applied the stash's node (then the recompute is the stash's, also
-    # after a removal); whether this pass runs the stash's attention; the offload engine the first pass hands what it
-    # keeps to (None: kept on the device), and that engine's stats then, which its reset replaces with its ids.
-    passes, calls, reached, kept, masks, recorded, serving, engine, stats = 0, 0, False, (
-    ), None, False, True, None, None
+    # after a removal); whether this pass runs the stash's attention; the offload engine of what it keeps (or None),
+    # its stats then (a reset replaces them), and the call offloaded before (weakly), whose recompute comes next.
+    passes, calls, reached, kept, masks, recorded, serving = 0, 0, False, (), None, False, True
+    engine = stats = previous = None
 
     def __init__(self, stash, function, checkpoint_function=None):
         self.stash, self.function, self.checkpoint_function = stash, function, checkpoint_function
@@ -684,7 +675,6 @@ class _CheckpointCall:
         _state.call = self
         try:
             if passes == 2 and self.engine is not None:
-                # Outside the checkpoint's dispatch modes (a selective-checkpointing policy's), as in the first pass.
                 with _disable_current_modes():
                     self._restore()
             outputs = self.function(*args, **kwargs)
@@ -765,7 +755,11 @@ class _CheckpointCall:
                                           f"with its forward's arguments, got another {differing} (attention call "
                                           f"{index + 1}): the kept output is the forward's. "
                                           f"{arguments.fix(differing)}.")
-            self._check_unchanged(entry)
+            if entry.output._version != entry.version:
+                raise AttentionStashError(f"{_FEATURE} needs the attention output of {self.stash.name} unchanged from "
+                                          f"its forward to its recompute, got an in-place change of it (or of a view "
+                                          f"of it) in the forward. Change a copy of the attention output, or remove "
+                                          f"the stash from this layer.")
             kept[index] = None
             try:
                 out = _apply_node(query, key, value, mask, entry)
@@ -779,27 +773,20 @@ class _CheckpointCall:
             self.stash.counters.take(entry.nbytes, served=True)
         return out[..., :head_dim] if padded else out
 
-    def _check_unchanged(self, entry):
-        if entry.output._version != entry.version:
-            self._release()
-            raise AttentionStashError(
-                f"{_FEATURE} needs the attention output of {self.stash.name} unchanged from its "
-                f"forward to its recompute, got an in-place change of it (or of a view of it) in "
-                f"the forward. Change a copy of the attention output, or remove the stash from "
-                f"this layer.")
-
     def _offload(self):
         """Hand each kept log-sum-exp, then output, to the offload engine, which copies them to host memory as newer
-        ones pass its keep-last window (one tensor in DeepSpeed's): the last output stays on the device."""
+        ones pass its keep-last window (one tensor in DeepSpeed's): the last output stays on the device. Both this and
+        _restore run outside the checkpoint's dispatch modes (a selective-checkpointing policy's)."""
         counters, self.stats, engine = self.stash.counters, self.engine.stats, self.engine
         for entry in self.kept:
-            self._check_unchanged(entry)
+            # The output's changes since the kernel, which its copy back carries over to the recompute's check.
+            entry.version -= entry.output._version
             tensors = entry.tensors[0], entry.output
             # An id of the engine's, or the tensor itself where the engine leaves it (too small, on a host device).
             entry.host = tuple(engine.offload_input(tensor) or tensor for tensor in tensors)
             counters.offloaded_bytes += sum(t.nbytes for t, token in zip(tensors, entry.host) if token is not t)
             entry.tensors, entry.output = (None, *entry.tensors[1:]), None
-        counters.offloaded.append(weakref.ref(self))
+        self.previous, counters.offloaded = counters.offloaded, weakref.ref(self)
 
     def _restore(self):
         """Bring this recompute's kept outputs back (prefetched by the one before), and start bringing back those of
@@ -807,21 +794,16 @@ class _CheckpointCall:
         engine, counters = self.engine, self.stash.counters
         if engine.stats is not self.stats:
             raise AttentionStashError(f"{_FEATURE} needs the offload engine of {self.stash.name} to hold its kept "
-                                      f"output until the recompute, got the engine reset since (deepspeed."
-                                      f"checkpointing.reset(), an offload context entered again). Run each backward "
-                                      f"before the engine resets.")
+                                      f"output until the recompute, got it reset since (deepspeed.checkpointing.reset"
+                                      f"(), an offload context entered again). Run the backward first.")
         for entry in self.kept:
             tensors = tuple(_arrived(engine, token) for token in entry.host)
             counters.restored_bytes += sum(t.nbytes for t, token in zip(tensors, entry.host) if token is not t)
             entry.tensors, entry.output, entry.host = (tensors[0], *entry.tensors[1:]), tensors[1], None
-            entry.version = entry.output._version
-        pending = counters.offloaded
-        while pending and (pending[-1]() in (None, self) or not pending[-1]().kept):
-            pending.pop()
-        following = pending[-1]() if pending else None
+            entry.version += entry.output._version
+        following = self.previous and self.previous()
         for entry in following.kept if following is not None and following.engine is engine else ():
-            if entry is not None and entry.host:
-                entry.host = tuple(_fetch(engine, token) if type(token) is int else token for token in entry.host)
+            entry.host = tuple(_fetch(engine, token) if type(token) is int else token for token in entry.host or ())
 
     def _raise_unlike_forward(self, index, ops, query, device_type=None, choice=None):
         """Raise for an attention call without a kernel the stash replays, or a recompute's call that differs from its
@@ -951,8 +933,7 @@ class _CheckpointCall:
             isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() == pointer for value in bound)
 
     def _release(self, blocking=True):
-        """Count every entry not taken released, and let go of them: offloaded, taken back from the engine, which has
-        no other way to let go of a tensor (and of its host buffer, to its pool), and dropped."""
+        """Count every entry not taken released, and let go of them (offloaded, taken back: the engine's only way)."""
         for entry in self.kept:
             if entry is not None:
                 self.stash.counters.take(entry.nbytes, served=False)
@@ -985,11 +966,10 @@ class _Counters:
     released_without_backward: int = 0
     # Layers whose compiled graph saves the attention kernel's outputs, as the checkpoint's policy was asked to.
     compiled: set = dataclasses.field(default_factory=set)
-    # Offload: bytes handed to an engine and taken back; the calls offloaded, by weak reference in first-pass order
-    # (their recomputes come last first); the install's own engine (None for offload=False).
+    # Offload: bytes handed to an engine and taken back; the last call offloaded (weakly); the install's engine.
     offloaded_bytes: int = 0
     restored_bytes: int = 0
-    offloaded: list = dataclasses.field(default_factory=list)
+    offloaded: object = None
     engine: object = None
 
     def add(self, nbytes):
@@ -1411,10 +1391,9 @@ class _LayerStash:
         if not torch.is_grad_enabled():
             # No graph, so no backward to serve: transformers <= 5.22 checkpoints no_grad forwards too.
             return checkpoint_function(function, *args, **kwargs)
-        compiling = torch.compiler.is_compiling()
+        compiling, keywords = torch.compiler.is_compiling(), getattr(checkpoint_function, "keywords", {})
         # Dynamo's frame callback is set where a graph break runs code of a torch.compile region eagerly.
         if compiling or torch._C._dynamo.eval_frame.get_eval_frame_callback() not in (None, False):
-            keywords = getattr(checkpoint_function, "keywords", {})
             if keywords.get("use_reentrant"):
                 # Traced, dynamo runs it as non-reentrant; run eagerly (a graph break), torch refuses a context_fn.
                 _refuse_compiled(
@@ -1428,26 +1407,20 @@ class _LayerStash:
             # Traced by dynamo, as its checkpoint operator: the checkpoint's policy saves the kernel's outputs.
             contexts = partial(_compiled_contexts, self.key, keywords.get("context_fn"))
             return checkpoint_function(function, *args, **kwargs, context_fn=contexts)
-        context_fn = getattr(checkpoint_function, "keywords", {}).get("context_fn")
-        if context_fn is not None:
-            # A policy's cache of the kernel's outputs would hold what the stash keeps on the device, offloaded too.
-            record = _implementation(self.implementation)
-            kwargs["context_fn"] = partial(_uncached_contexts, record.compiled_ops(record), context_fn)
+        if keywords.get("context_fn") is not None:
+            kwargs["context_fn"] = partial(_compiled_contexts, self.key, keywords["context_fn"], False)
         return checkpoint_function(_CheckpointCall(self, function, checkpoint_function), *args, **kwargs)
 
     def offload_engine(self, checkpoint_function):
-        """The offload engine of a first pass (None keeps on the device): that of a checkpoint that offloads its inputs
-        (DeepSpeed's CheckpointHiddenStatesOffload active now, cpu_checkpointing's), else the install's own where the
-        checkpoint offloads without one (save_on_cpu, partitioned cpu_checkpointing) or offload is True."""
+        """The offload engine of a first pass (None keeps on the device): a checkpoint's that offloads its inputs with one
+        (CheckpointHiddenStatesOffload, cpu_checkpointing), else the install's where it offloads, or for offload=True."""
         if self.offload is False:
             return None
-        engine = _current_manager()
-        if (engine is None and _ds_checkpointing.CPU_CHECKPOINT
-                and getattr(checkpoint_function, "func", checkpoint_function) in _DS_CHECKPOINTS):
-            engine = _ds_checkpointing._get_cpu_offload_engine() or self.counters.engine
-        if engine is None and (self.offload or _saves_on_cpu()):
-            engine = self.counters.engine
-        return engine
+        function = getattr(checkpoint_function, "func", checkpoint_function)
+        cpu_checkpointing = _ds_checkpointing.CPU_CHECKPOINT and function in (
+            _ds_checkpointing.checkpoint, _ds_checkpointing.non_reentrant_checkpoint)
+        return (_current_manager() or cpu_checkpointing and _ds_checkpointing._get_cpu_offload_engine()
+                or (self.offload or cpu_checkpointing or _saves_on_cpu()) and self.counters.engine or None)
 
     def outside_checkpoint(self):
         """For a training call of the layer's attention that the stash's checkpoint call does not run: stand aside
@@ -1591,32 +1564,17 @@ _KEYS = itertools.count()
 _BY_KEY = weakref.WeakValueDictionary()
 _LAYER_STASHES = {}
 
-_DS_CHECKPOINTS = (_ds_checkpointing.checkpoint, _ds_checkpointing.non_reentrant_checkpoint)
 
-
-def _uncached_contexts(ops, context_fn):
-    """A checkpoint's own contexts, a selective-checkpointing policy's made to recompute ``ops``, the kernels the stash
-    serves, instead of caching them: the stash keeps their outputs, and the recompute never runs them."""
-    contexts = context_fn()
-    if hasattr(contexts[0], "policy_fn"):
-        contexts[0].policy_fn = partial(_uncached_policy, ops, contexts[0].policy_fn)
-    return contexts
-
-
-def _uncached_policy(ops, policy, ctx, op, *args, **kwargs):
-    name = getattr(getattr(op, "_schema", None), "name", None)
-    return _Policy.PREFER_RECOMPUTE if name in ops else policy(ctx, op, *args, **kwargs)
-
-
-def _compiled_contexts(key, context_fn):
+def _compiled_contexts(key, context_fn, compiled=True):
     """The selective-checkpointing contexts of a stashed layer's checkpoint under torch.compile, made as the compiled
     graph is partitioned: its policy saves the outputs of the kernels the stash serves (MUST_SAVE), composed with the
-    checkpoint's own ``context_fn``, whose policy wins where it names an op (MUST_SAVE or MUST_RECOMPUTE)."""
+    checkpoint's own ``context_fn``, whose policy wins where it names an op (MUST_SAVE or MUST_RECOMPUTE). Eager, it
+    recomputes them: its cache of what the stash keeps would be a second reference, which no offload moves."""
     stash, user_policy = _BY_KEY.get(key), None
     if context_fn is not None:
         user_policy = getattr(context_fn()[0], "policy_fn", None)
-    if stash is None:
-        # Removed since dynamo traced the call: stock.
+    if stash is None or not (compiled or user_policy):
+        # Removed since dynamo traced the call, or eager contexts without a policy: stock.
         return (context_fn or torch.utils.checkpoint.noop_context_fn)()
     record = _implementation(stash.implementation)
     ops, interface = record.compiled_ops(record), _FLASH_INTERFACES.get(stash.implementation)
@@ -1629,14 +1587,14 @@ def _compiled_contexts(key, context_fn):
                 (torch._functorch.config.activation_memory_budget == 0, "a partitioner that saves what its policy "
                  "must save", "torch._functorch.config.activation_memory_budget = 0, under which AOTAutograd's "
                  "partitioner recomputes every op, the attention kernel too", "Set a budget above 0"))
-    for refused, needs, got, fix in refusals:
+    for refused, needs, got, fix in refusals if compiled else ():
         if refused:
             _refuse_compiled(stash, needs, got, fix)
     # Outside AOTAutograd's tracing the policy saves the kernel eagerly: dynamo's checkpoint operator under a backend
     # without AOTAutograd (dynamo's "eager") runs the traced layer, whose attention never reaches the stash's entry; a
     # checkpoint run eagerly after a graph break reaches it, which refuses (_LayerStash.outside_checkpoint).
     return torch.utils.checkpoint.create_selective_checkpoint_contexts(
-        partial(_compiled_policy, stash, ops, user_policy))
+        partial(_compiled_policy, stash if compiled else None, ops, user_policy))
 
 
 def _refuse_compiled(stash, needs, got, fix):
@@ -1666,10 +1624,13 @@ def _graph_break(stash):
 
 def _compiled_policy(stash, ops, user_policy, ctx, op, *args, **kwargs):
     """The compiled checkpoint's policy: MUST_SAVE for a served kernel's op, unless the checkpoint's own policy
-    recomputes it; else that policy's answer, or PREFER_RECOMPUTE."""
+    recomputes it; else that policy's answer, or PREFER_RECOMPUTE. Eager (``stash`` None), where the stash keeps the
+    served kernel's outputs, PREFER_RECOMPUTE for it."""
     policy = user_policy(ctx, op, *args, **kwargs) if user_policy else _Policy.PREFER_RECOMPUTE
     if getattr(getattr(op, "_schema", None), "name", None) not in ops or policy == _Policy.MUST_RECOMPUTE:
         return policy
+    if stash is None:
+        return _Policy.PREFER_RECOMPUTE
     stash.counters.compiled.add(stash.name)
     return _Policy.MUST_SAVE
 
@@ -2101,7 +2062,6 @@ def _layer_bytes(model, micro_batch_size, sequence_length, dtype, device, ranks,
     _check_positive_int("micro_batch_size", micro_batch_size)
     _check_positive_int("sequence_length", sequence_length)
     if device is None:
-        from deepspeed.accelerator import get_accelerator
         device = get_accelerator().device_name()
     device = torch.device(device)
     layouts = {}
@@ -2116,13 +2076,9 @@ def _layer_bytes(model, micro_batch_size, sequence_length, dtype, device, ranks,
         yield plan, nbytes
 
 
-# Offloaded, the layers' kept outputs on the device at most: the one recomputed and the next one, prefetched.
-_OFFLOAD_WINDOW = 2
-
-
 def _fitting_layers(sizes, memory_budget, micro_batches_in_flight, offload=False):
     """The (plan, bytes) of the layers ``sizes`` yields, last first, as long as they fit ``memory_budget`` on the
-    device: offloaded, as long as any _OFFLOAD_WINDOW consecutive ones fit."""
+    device: offloaded, as long as any two consecutive ones fit (the one recomputed and the next one, prefetched)."""
     if isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float)) or not memory_budget >= 0:
         raise ValueError(f"{_FEATURE} needs a memory_budget in bytes of 0 or more, got {memory_budget!r}.")
     _check_positive_int("micro_batches_in_flight", micro_batches_in_flight)
@@ -2137,7 +2093,7 @@ def _fitting_layers(sizes, memory_budget, micro_batches_in_flight, offload=False
             if fitting:
                 return fitting
             raise
-        window = fitting[1 - _OFFLOAD_WINDOW:] if offload else fitting
+        window = fitting[-1:] if offload else fitting
         if (sum(nbytes for _, nbytes in window) + size[1]) * micro_batches_in_flight > memory_budget:
             return fitting
         fitting.append(size)
@@ -2161,9 +2117,8 @@ def _check_unshared(model, layer_class, chosen):
 
 
 def _install_message(model, chosen, records, plans, others, sizes, micro_batch_size, sequence_length, ranks, offload):
-    """The install's log line: what is stashed, at what cost (the planner's words where it cannot tell) and where,
-    what is left out and why, the checkpoint mode and the implementations (``records``, the chosen layers'). It never
-    raises."""
+    """The install's log line: what is stashed, at what cost (the planner's words where it cannot tell) and where, what
+    is left out and why, the checkpoint mode and the implementations (``records``). It never raises."""
     dtype = _model_dtype(model)
     served = " and ".join(f'"{name}"' +
                           (f" ({_FLASH_INTERFACES[name].description})" if name in _FLASH_INTERFACES else "")
@@ -2195,11 +2150,8 @@ def _install_message(model, chosen, records, plans, others, sizes, micro_batch_s
                 "before this install recompiles once)" if all(
                     record.compiled_ops(record)
                     for record in records) else "under torch.compile, refused: dynamo cannot trace these kernels")
-    where = {
-        None: "in host memory where a layer's checkpoint offloads its inputs, else on the device",
-        True: f"in host memory, {_OFFLOAD_WINDOW} layers' on the device at most",
-        False: "on the device"
-    }[offload]
+    where = ("on the device" if offload is False else "in host memory, two layers' on the device at most"
+             if offload else "in host memory where a layer's checkpoint offloads its inputs, else on the device")
     message = (f"{_FEATURE}: keeping the attention output of {len(chosen)} of {len(plans)} attention layers "
                f"({chosen[0].name} to {chosen[-1].name}) for their recompute: {cost}, {where}; {mode}: the "
                f"recompute replays the kept output through the kernel's backward, in either mode; {compiled}; "
@@ -2285,8 +2237,7 @@ class AttentionStashHandle:
     peak_kept_bytes = property(lambda self: self._counters.peak_kept_bytes)
     recomputes_served = property(lambda self: self._counters.recomputes_served)
     released_without_backward = property(lambda self: self._counters.released_without_backward)
-    # Bytes of kept outputs and log-sum-exps handed to an offload engine (which keeps its keep-last window on the
-    # device and copies the rest to host memory), and taken back for recomputes.
+    # Bytes of kept outputs and log-sum-exps handed to an offload engine (for host memory), and taken back.
     offloaded_bytes = property(lambda self: self._counters.offloaded_bytes)
     restored_bytes = property(lambda self: self._counters.restored_bytes)
 
@@ -2340,10 +2291,9 @@ def install_attention_stash(model: torch.nn.Module,
     ops) a stashed layer's checkpoint gets a selective-checkpointing policy that saves the kernel's outputs instead;
     ``handle.compiled_layers`` names them.
 
-    ``offload=None`` sends what a layer keeps to host memory where its checkpoint offloads its inputs (DeepSpeed's
+    ``offload=None`` offloads what a layer keeps where its checkpoint offloads its inputs (DeepSpeed's
     ``CheckpointHiddenStatesOffload`` or ``cpu_checkpointing``, transformers' ``offload=True``), through its engine
-    where it has one, and brings it back for the recompute (the next layer's prefetched); ``True`` everywhere, ``False``
-    nowhere. Offloaded, ``memory_budget`` counts two layers on the device at most.
+    where it has one; ``True`` everywhere, ``False`` nowhere. Offloaded, ``memory_budget`` counts two layers.
     Forwards without a backward run stock attention and keep nothing. What the stash cannot serve raises an
     ``AttentionStashError`` naming the cause and the fix, never falling back: attention dropout, a ``torch.func``
     transform, an SDPA backend without an exact replay, a recompute unlike its forward, among others.
@@ -2358,8 +2308,7 @@ def install_attention_stash(model: torch.nn.Module,
     if num_layers is not None and (isinstance(num_layers, bool) or not isinstance(num_layers, int)):
         raise TypeError(f"{_FEATURE} needs an integer num_layers, got {type(num_layers).__name__}.")
     if offload not in (None, True, False):
-        raise TypeError(f"{_FEATURE} needs offload None (follow the checkpoint's offload), True or False, got "
-                        f"{offload!r}.")
+        raise TypeError(f"{_FEATURE} needs offload None (follow the checkpoint), True or False, got {offload!r}.")
     if memory_budget is not None and (micro_batch_size is None or sequence_length is None):
         raise TypeError(f"{_FEATURE} needs micro_batch_size and sequence_length with memory_budget, to size what each "
                         f"layer keeps.")
@@ -2403,7 +2352,6 @@ def install_attention_stash(model: torch.nn.Module,
     message = _install_message(model, chosen, records, plans, others, sizes, micro_batch_size, sequence_length, ranks,
                                offload)
 
-    # DeepSpeed cpu_checkpointing's settings for the install's own engine.
     counters = _Counters(engine=None if offload is False else _ActivationOffloadEngine(min_offload_bytes=0))
     with _LOCK:
         for plan in chosen:

@@ -445,8 +445,11 @@ def deepspeed_config(stage=0, bf16=False, accumulation=1, **extra):
 
 
 class UnsynchronizedCPU:
-    """DeepSpeed's CPU accelerator as DeepSpeed's offload modules see it in offload_copies_on_cpu: an unsynchronized
-    device (without streams, as the CPU accelerator has none), which records the host buffers it pins."""
+    """DeepSpeed's CPU accelerator (deepspeed/accelerator/cpu_accelerator.py, DeepSpeed 0.19.8) as DeepSpeed's offload
+    modules see it in offload_copies_on_cpu: the accelerator itself in every respect the offload engine reads (Stream
+    and current_stream None: no streams; on_accelerator true for a CPU tensor; pin_memory the accelerator's, which
+    returns the tensor on CPU) but is_synchronized_device, which answers False, so that the engine copies; and it
+    records the host buffers it pins. test_attention_stash_offload.py pins that shape."""
 
     def __init__(self, accelerator, pinned):
         self._accelerator, self._pinned = accelerator, pinned

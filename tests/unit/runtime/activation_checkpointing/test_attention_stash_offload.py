@@ -26,6 +26,7 @@ from collections import Counter
 import pytest
 import torch
 
+from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
 from deepspeed.runtime.activation_checkpointing.attention_stash import (AttentionStashError,
                                                                         attention_stash_layer_bytes,
@@ -229,7 +230,7 @@ def test_the_planner_counts_the_offload_window(install):
     handle = install(model, memory_budget=2 * layer, micro_batch_size=2, sequence_length=32, offload=True)
     assert len(handle.layers) == NUM_LAYERS
     assert (f"for their recompute: {NUM_LAYERS * layer:,} bytes per micro-batch in flight (micro-batch 2, sequence "
-            f"32), in host memory, 2 layers' on the device at most; reentrant checkpointing") in handle.summary
+            f"32), in host memory, two layers' on the device at most; reentrant checkpointing") in handle.summary
     handle.remove()
     handle = install(model, memory_budget=2 * layer, micro_batch_size=2, sequence_length=32)
     assert len(handle.layers) == 2
@@ -242,9 +243,7 @@ def test_the_planner_counts_the_offload_window(install):
 
 
 def test_offload_takes_none_true_or_false(install):
-    with pytest.raises(TypeError,
-                       match=r"needs offload None \(follow the checkpoint's offload\), True or False, got "
-                       "'yes'"):
+    with pytest.raises(TypeError, match=r"needs offload None \(follow the checkpoint\), True or False, got 'yes'\."):
         install(checkpointed(llama_model()), NUM_LAYERS, offload="yes")
 
 
@@ -259,8 +258,8 @@ def test_a_reset_engine_is_refused_and_nothing_is_left(install, host):
     handle._counters.engine.reset()
     with pytest.raises(AttentionStashError,
                        match=r"needs the offload engine of model.layers.2 to hold its kept output until the "
-                       r"recompute, got the engine reset since \(deepspeed.checkpointing.reset\(\), an offload "
-                       r"context entered again\). Run each backward before the engine resets."):
+                       r"recompute, got it reset since \(deepspeed.checkpointing.reset\(\), an offload "
+                       r"context entered again\). Run the backward first."):
         loss.backward()
     del loss
     gc.collect()
@@ -292,18 +291,24 @@ def test_what_no_recompute_takes_goes_back_to_the_pool(install, host, backward):
     assert pinned == 0 and handle.recomputes_served == NUM_LAYERS
 
 
-def test_an_in_place_change_of_an_offloaded_output_is_refused_at_the_end_of_the_forward(install, host):
-    """An offloaded output is copied once its layer's forward ends: a change in place of it before then, in the
-    forward, would reach the recompute unseen. The forward raises at the layer's end, and releases what it kept."""
+def test_an_in_place_change_of_an_offloaded_output_is_refused(install, host):
+    """The host copy of an offloaded output is taken as its layer's forward ends, so the copy brought back for the
+    recompute has a version of its own: a change in place of the output after the attention call, in the forward,
+    still makes the recompute raise, as without offload, and release what the stash kept."""
     model = checkpointed(llama_model())
     handle = install(model, NUM_LAYERS, offload=True)
+    before = tensors()
     model.model.layers[-1].self_attn.o_proj.register_forward_pre_hook(lambda module, args: args[0].mul_(2.0))
+    loss = model(input_ids=batch_ids(), labels=batch_ids()).loss
+    assert handle.offloaded_bytes == NUM_LAYERS * (OUTPUT_BYTES + LSE_BYTES)
     with pytest.raises(AttentionStashError,
                        match="needs the attention output of model.layers.2 unchanged from its forward to its "
                        "recompute, got an in-place change of it"):
-        model(input_ids=batch_ids(), labels=batch_ids())
+        loss.backward()
+    del loss
     gc.collect()
     assert (handle.num_kept, handle.kept_bytes, handle.released_without_backward) == (0, 0, NUM_LAYERS)
+    assert where_kept(before, host)[0] == Counter() and live_checkpoint_calls() == []
 
 
 @pytest.mark.parametrize("policy", ["trl_selective", "user_policy"])
@@ -410,3 +415,30 @@ def test_the_trainer_with_zero3_and_offload(install, host, launcher_process):  #
     assert (handle.recomputes_served, handle.num_kept) == (steps * NUM_LAYERS, 0)
     assert handle.offloaded_bytes == handle.restored_bytes == steps * NUM_LAYERS * (OUTPUT_BYTES + LSE_BYTES)
     assert len(seen) == steps and all(device[LSE] == 0 and device[OUTPUT] <= 1 for device in seen), seen
+
+
+def test_the_unsynchronized_cpu_is_deepspeeds_cpu_accelerator_but_for_synchronization():
+    """The double the offload tests hand DeepSpeed's offload modules answers as DeepSpeed's CPU accelerator in all that
+    the offload engine reads, but is_synchronized_device: no streams, CPU tensors on the accelerator, pin_memory the
+    accelerator's (the tensor itself, recorded); so DeepSpeed's engine made under it copies, on the calling thread."""
+    from deepspeed.runtime.activation_checkpointing.offload_activations import _ActivationOffloadEngine
+
+    from attention_stash_helpers import UnsynchronizedCPU
+
+    real, pinned = get_accelerator(), {}
+    double = UnsynchronizedCPU(real, pinned)
+    assert real.is_synchronized_device() and not double.is_synchronized_device()
+    assert double.Stream is real.Stream is None and double.current_stream() is real.current_stream() is None
+    tensor = torch.ones(256)
+    assert double.on_accelerator(tensor) and real.on_accelerator(tensor)
+    assert double.pin_memory(tensor, make_copy=False) is tensor and pinned == {
+        tensor.untyped_storage().data_ptr(): tensor
+    }
+    with offload_copies_on_cpu(pinned):
+        engine = _ActivationOffloadEngine(min_offload_bytes=0)
+        token = engine.offload_input(tensor)
+        engine.offload_input(torch.zeros(256))  # past the keep-last window: the first one is copied to a host buffer
+        assert not engine.use_streams and token is not None
+        back = engine.restore_input(token)
+    assert torch.equal(back, tensor) and back.untyped_storage().data_ptr() != tensor.untyped_storage().data_ptr()
+    assert len(pinned) == 2
