@@ -50,7 +50,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.activation_checkpointing import checkpointing as _ds_checkpointing
-from deepspeed.runtime.activation_checkpointing.offload_activations import _ActivationOffloadEngine, _current_manager
+from deepspeed.runtime.activation_checkpointing import offload_activations as _ds_offload
 from deepspeed.utils import log_dist, logger
 
 __all__ = [
@@ -67,9 +67,7 @@ _SDPA = torch._C._nn.scaled_dot_product_attention
 _TORCH_ENTRY_POINTS = ("_fused_sdp_choice", "_C._current_graph_task_id", "_C._set_grad_enabled",
                        "_C._is_any_autocast_enabled", "_C._are_functorch_transforms_active",
                        "_C._dynamo.eval_frame.get_eval_frame_callback", "utils.checkpoint._StopRecomputationError",
-                       "utils.checkpoint._checkpoint_hook", "_C._autograd._top_saved_tensors_default_hooks",
-                       "_C._autograd._pop_saved_tensors_default_hooks",
-                       "_C._autograd._push_saved_tensors_default_hooks")
+                       "utils.checkpoint._checkpoint_hook", "_C._autograd._top_saved_tensors_default_hooks")
 # What a non-reentrant checkpoint raises from its recompute's last save, to stop the recompute there.
 _StopRecomputationError = getattr(torch.utils.checkpoint, "_StopRecomputationError", None)
 # The attribute in which Hugging Face keeps a decoder layer's checkpoint function, read at every checkpointed call.
@@ -612,11 +610,9 @@ _RECORDED = weakref.WeakSet()
 def _fetch(engine, token):
     """(tensor, event) of id ``token`` of DeepSpeed's _ActivationOffloadEngine, its copy back started: run on its side
     stream, restore_input waits there, and the compute stream at the tensor's use (_arrived), not before."""
-    if not engine.use_streams:
-        return engine.restore_input(token), None
-    with get_accelerator().stream(engine.s1):
+    with get_accelerator().stream(engine.s1):  # None (no streams): the current one
         tensor = engine.restore_input(token)
-    return tensor, engine.s1.record_event()
+    return tensor, None if engine.s1 is None else engine.s1.record_event()
 
 
 def _arrived(engine, token):
@@ -774,18 +770,15 @@ class _CheckpointCall:
         return out[..., :head_dim] if padded else out
 
     def _offload(self):
-        """Hand each kept log-sum-exp, then output, to the offload engine, which copies them to host memory as newer
-        ones pass its keep-last window (one tensor in DeepSpeed's): the last output stays on the device. Both this and
-        _restore run outside the checkpoint's dispatch modes (a selective-checkpointing policy's)."""
+        """Hand each kept log-sum-exp, then output, to the offload engine, which copies them to host memory once newer
+        ones pass its keep-last window (the last output stays); as _restore, outside the checkpoint's dispatch modes."""
         counters, self.stats, engine = self.stash.counters, self.engine.stats, self.engine
         for entry in self.kept:
-            # The output's changes since the kernel, which its copy back carries over to the recompute's check.
-            entry.version -= entry.output._version
-            tensors = entry.tensors[0], entry.output
-            # An id of the engine's, or the tensor itself where the engine leaves it (too small, on a host device).
+            tensors = lse, out = entry.tensors[0], entry.output
+            # Engine ids, or tensors it leaves (small, on a host device); version: changes since the kernel, kept for later.
             entry.host = tuple(engine.offload_input(tensor) or tensor for tensor in tensors)
             counters.offloaded_bytes += sum(t.nbytes for t, token in zip(tensors, entry.host) if token is not t)
-            entry.tensors, entry.output = (None, *entry.tensors[1:]), None
+            entry.tensors, entry.output, entry.version = (None, *entry.tensors[1:]), None, entry.version - out._version
         self.previous, counters.offloaded = counters.offloaded, weakref.ref(self)
 
     def _restore(self):
@@ -797,10 +790,10 @@ class _CheckpointCall:
                                       f"output until the recompute, got it reset since (deepspeed.checkpointing.reset"
                                       f"(), an offload context entered again). Run the backward first.")
         for entry in self.kept:
-            tensors = tuple(_arrived(engine, token) for token in entry.host)
+            tensors = lse, out = tuple(_arrived(engine, token) for token in entry.host)
             counters.restored_bytes += sum(t.nbytes for t, token in zip(tensors, entry.host) if token is not t)
-            entry.tensors, entry.output, entry.host = (tensors[0], *entry.tensors[1:]), tensors[1], None
-            entry.version += entry.output._version
+            entry.tensors, entry.output, entry.host = (lse, *entry.tensors[1:]), out, None
+            entry.version += out._version
         following = self.previous and self.previous()
         for entry in following.kept if following is not None and following.engine is engine else ():
             entry.host = tuple(_fetch(engine, token) if type(token) is int else token for token in entry.host or ())
@@ -1384,6 +1377,7 @@ class _LayerStash:
         self.layer, self.modules = weakref.ref(plan.layer), weakref.WeakSet(plan.layer.modules())
         self.model, self.counters, self.active, self.wrapped = weakref.ref(model), counters, True, None
         self.checkpointed, self.aside, self.offload = plan.layer.gradient_checkpointing is True, False, offload
+        self.offloads = (None, False, False)
 
     def checkpoint(self, checkpoint_function, function, *args, **kwargs):
         """The layer's checkpoint function, as the stash hands it to Hugging Face's checkpointed call."""
@@ -1412,15 +1406,19 @@ class _LayerStash:
         return checkpoint_function(_CheckpointCall(self, function, checkpoint_function), *args, **kwargs)
 
     def offload_engine(self, checkpoint_function):
-        """The offload engine of a first pass (None keeps on the device): a checkpoint's that offloads its inputs with one
-        (CheckpointHiddenStatesOffload, cpu_checkpointing), else the install's where it offloads, or for offload=True."""
+        """The offload engine of a first pass (None keeps on the device): the checkpoint's (a CheckpointHiddenStatesOffload
+        entered, cpu_checkpointing's), else the install's where it offloads (asked once per function) or offload=True."""
         if self.offload is False:
             return None
-        function = getattr(checkpoint_function, "func", checkpoint_function)
-        cpu_checkpointing = _ds_checkpointing.CPU_CHECKPOINT and function in (
-            _ds_checkpointing.checkpoint, _ds_checkpointing.non_reentrant_checkpoint)
-        return (_current_manager() or cpu_checkpointing and _ds_checkpointing._get_cpu_offload_engine()
-                or (self.offload or cpu_checkpointing or _saves_on_cpu()) and self.counters.engine or None)
+        if self.offloads[0] is not checkpoint_function:
+            function = getattr(checkpoint_function, "func", checkpoint_function)
+            self.offloads = (checkpoint_function, function
+                             in (_ds_checkpointing.checkpoint, _ds_checkpointing.non_reentrant_checkpoint),
+                             _saves_on_cpu())
+        cpu_checkpointing = self.offloads[1] and _ds_checkpointing.CPU_CHECKPOINT
+        return (_ds_offload._PATCH_USERS and _ds_offload._current_manager()
+                or cpu_checkpointing and _ds_checkpointing._get_cpu_offload_engine()
+                or (self.offload or cpu_checkpointing or self.offloads[2]) and self.counters.engine or None)
 
     def outside_checkpoint(self):
         """For a training call of the layer's attention that the stash's checkpoint call does not run: stand aside
@@ -2352,7 +2350,8 @@ def install_attention_stash(model: torch.nn.Module,
     message = _install_message(model, chosen, records, plans, others, sizes, micro_batch_size, sequence_length, ranks,
                                offload)
 
-    counters = _Counters(engine=None if offload is False else _ActivationOffloadEngine(min_offload_bytes=0))
+    counters = _Counters(engine=None if offload is False else _ds_offload._ActivationOffloadEngine(
+        min_offload_bytes=0))
     with _LOCK:
         for plan in chosen:
             if plan.layer in _STASHES:
