@@ -17,6 +17,12 @@ layer and micro-batch. The table printed last is what a reviewer pastes into a p
 With --compile the model runs under torch.compile, as one pair of arms: non-reentrant recompute against the stash on
 every attention layer, whose compiled graph saves the SDPA kernel's outputs instead of recomputing them.
 
+With --offload, four arms instead: plain reentrant recompute, the same with DeepSpeed's CheckpointHiddenStatesOffload
+around each step (the checkpoints' inputs in pinned host memory), the stash on every attention layer, and the stash
+with that offload, whose kept outputs follow the inputs to the host. It prints whether the stash with offload peaks
+within one layer's kept bytes of the offload alone, and steps within 2% of the stash alone. On CPU DeepSpeed's offload
+engine copies nothing (a synchronized device): the arms run, the offload moves no byte.
+
     python tests/benchmarks/attention_stash_bench.py                       # CPU default, a few minutes on 2 cores
     python tests/benchmarks/attention_stash_bench.py --preset qwen3-30b-a3b # one GPU, Qwen3-30B-A3B attention shapes
     python tests/benchmarks/attention_stash_bench.py --compile             # compiled: aot_eager, or inductor on a GPU
@@ -157,6 +163,9 @@ def parse_args(argv=None):
                         help="run the model compiled (torch.compile through the engine, dynamic=False): non-reentrant "
                         "recompute against the stash on every attention layer, both compiled; BACKEND defaults to "
                         f"{_COMPILE_BACKENDS['cuda']} on cuda and {_COMPILE_BACKENDS['cpu']} on cpu")
+    parser.add_argument("--offload",
+                        action="store_true",
+                        help="the offload arms: plain, CheckpointHiddenStatesOffload, the stash, the stash with it")
     parser.add_argument("--json", metavar="PATH", help="write the numbers as JSON")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG of step time and peak memory (needs matplotlib)")
     args = parser.parse_args(argv)
@@ -168,6 +177,9 @@ def parse_args(argv=None):
     settings["sequence"] = settings["sequences"][0]
     settings["top_k"] = min(settings["top_k"], settings["experts"])
     settings["compile"] = None
+    settings["offload"] = args.offload
+    if args.offload and (args.compile is not None or args.sequence_parallel or args.autoep):
+        parser.error("--offload takes no --compile, --sequence-parallel or --autoep")
     if args.compile is not None:
         settings["compile"] = args.compile or _COMPILE_BACKENDS[settings["device"]]
         # The first step of each compiled run compiles, the second measures memory: neither is timed.
@@ -361,7 +373,7 @@ def set_checkpointing(model, kind, compiled=False):
     """Per-layer checkpointing: reentrant for the stash and plain arms, non-reentrant for the others (TRL's selective
     checkpointing for the selective arm); non-reentrant for every arm ``compiled`` (dynamo traces every checkpoint as
     non-reentrant; the stash refuses reentrant ones). Returns the selective arm's source, else None."""
-    kwargs = {"use_reentrant": kind in ("plain", "stash") and not compiled}
+    kwargs = {"use_reentrant": kind in ("plain", "stash", "offload", "stash_offload") and not compiled}
     source = selective_checkpointing(model, kwargs) if kind == "selective" else _checkpointing(model, kwargs)
     model.train()
     return source
@@ -546,6 +558,12 @@ def run_arm(engine, initial, batches, settings, arm):
     # The step that measures memory: the first, or compiled the second, after the compile.
     measured = 1 if compiled else 0
     times, losses, peak_live, peak_rss, kept, compiled_layers = [], [], None, None, 0, []
+    # The offload arms: DeepSpeed's offload of the checkpoints' inputs around each step (the stash follows it).
+    if arm["kind"] in ("offload", "stash_offload"):
+        from deepspeed.runtime.activation_checkpointing.offload_activations import CheckpointHiddenStatesOffload
+        offload = CheckpointHiddenStatesOffload()
+    else:
+        offload = contextlib.nullcontext()
     # What each recompute runs, counted in the first step where it is untimed; compiled, the graphs say it instead.
     counted, in_backward = not compiled and settings["warmup"] > 0, None
     try:
@@ -562,9 +580,10 @@ def run_arm(engine, initial, batches, settings, arm):
                 start = time.perf_counter()
                 forwards = _AttentionForwards() if counted and index == 0 else contextlib.nullcontext()
                 with rss, live:
-                    loss = forward_loss(engine, batch)
-                    with forwards:
-                        engine.backward(loss)
+                    with offload:
+                        loss = forward_loss(engine, batch)
+                        with forwards:
+                            engine.backward(loss)
                     engine.step()
                 if counted and index == 0:
                     in_backward = forwards.calls
@@ -600,6 +619,8 @@ def run_arm(engine, initial, batches, settings, arm):
             torch._dynamo.reset()
     return {
         "recomputes_served": handle.recomputes_served if handle is not None else 0,
+        "offloaded_bytes": handle.offloaded_bytes if handle is not None else 0,
+        "restored_bytes": handle.restored_bytes if handle is not None else 0,
         "compiled_layers": compiled_layers,
         "times_ms": times,
         "median_ms": statistics.median(times),
@@ -614,7 +635,7 @@ def run_arm(engine, initial, batches, settings, arm):
 
 
 # Stash arm kinds and the kind of the recompute each replaces.
-STASH_KINDS = {"stash": "plain", "stash_nr": "non_reentrant"}
+STASH_KINDS = {"stash": "plain", "stash_nr": "non_reentrant", "stash_offload": "offload"}
 
 
 def _largest(values):
@@ -705,6 +726,10 @@ def summarize(settings, arms, runs, attention_ms):
             max(run["kept_bytes"] for run in results),
             "recomputes_served":
             sum(run["recomputes_served"] for run in results),
+            "offloaded_bytes":
+            sum(run["offloaded_bytes"] for run in results),
+            "restored_bytes":
+            sum(run["restored_bytes"] for run in results),
             # Compiled, each run's layers whose graph saved the attention kernel's outputs.
             "compiled_layers": [run.get("compiled_layers", []) for run in results],
             "steps_run":
@@ -718,7 +743,7 @@ def summarize(settings, arms, runs, attention_ms):
         by_arm.append(row)
     # Each stash arm against the recompute it replaces: reentrant for the stash, non-reentrant for its non-reentrant
     # arm.
-    baselines = {row["kind"]: row for row in by_arm if row["kind"] in ("plain", "non_reentrant")}
+    baselines = {row["kind"]: row for row in by_arm if row["kind"] in ("plain", "non_reentrant", "offload")}
     plain = baselines["plain"]
     for row in by_arm:
         vs_plain = compare(row, plain)
@@ -779,6 +804,14 @@ def comparisons(settings, by_arm):
     if not stashed:
         return lines
     full = max(stashed, key=lambda row: row["stashed"])
+    if "stash_offload" in kinds:
+        stash_offload = kinds["stash_offload"]
+        lines.append((f"{stash_offload['label']} against {kinds['offload']['label']}", [
+            (memory_label, _mib_change(compare(stash_offload, kinds["offload"], memory_key))),
+        ]))
+        lines.append((f"{stash_offload['label']} against {full['label']}", [
+            ("step time", _percent(compare(stash_offload, full))),
+        ]))
     if "stash_nr" in kinds:
         lines.append((f"{kinds['stash_nr']['label']} against {full['label']} (reentrant)", [
             ("step time", _percent(compare(kinds["stash_nr"], full))),
@@ -799,6 +832,32 @@ def comparisons(settings, by_arm):
             (memory_label, _mib_change(compare(selective, kinds["non_reentrant"], memory_key))),
         ]))
     return lines
+
+
+def offload_expectations(settings, by_arm, predicted_bytes):
+    """With --offload: the stash with offload peaks within one layer's kept bytes of the offload alone, and steps
+    within 2% of the stash alone; each measured with its noise, and held, not held, or UNRESOLVED by the noise."""
+    kinds = {row["kind"]: row for row in by_arm}
+    if "stash_offload" not in kinds:
+        return []
+    both, memory_key = kinds["stash_offload"], _memory_columns(settings)[0][1]
+    stash = max((row for row in by_arm if row["kind"] == "stash"), key=lambda row: row["stashed"])
+    memory, step = compare(both, kinds["offload"], memory_key), compare(both, stash)
+    served = (f"offloaded {both['offloaded_bytes']:,} B and restored {both['restored_bytes']:,} B in "
+              f"{both['steps_run']} steps, {both['recomputes_served']:,} recomputes served")
+
+    def judged(value, noise, bound):
+        return "UNRESOLVED" if abs(value - bound) <= noise else "holds" if value <= bound else "DOES NOT HOLD"
+
+    return [{
+        "expected": f"{both['label']} peaks within one layer's kept bytes ({predicted_bytes:,} B) of offload alone",
+        "measured": f"{_mib_change(memory)} ({served})",
+        "verdict": judged(memory["difference"], memory["noise"], predicted_bytes),
+    }, {
+        "expected": f"{both['label']} steps within 2% of {stash['label']}",
+        "measured": _percent(step),
+        "verdict": judged(step["relative"], step["relative_noise"], 0.02),
+    }]
 
 
 def format_table(settings, by_arm, attention_ms, backend, predicted_bytes, repeat_noise, cross_arm):
@@ -1246,7 +1305,20 @@ def main(argv=None):
         dict(label=f"stash {half} layers", kind="stash", stashed=half),
         dict(label=f"stash {full} layers", kind="stash", stashed=full),
     ]
-    if settings["compile"]:
+    if settings["offload"]:
+        arms = [
+            arms[0],
+            dict(label="offload", kind="offload", stashed=0), arms[2],
+            dict(label=f"stash {full} + offload", kind="stash_offload", stashed=full)
+        ]
+        print(
+            f"--offload: plain recompute, DeepSpeed's CheckpointHiddenStatesOffload around each step (the checkpoints' "
+            f"inputs in host memory), the stash on all {full} attention layers, and both (the stash follows the "
+            f"offload); reentrant checkpointing. The other arms are left out." +
+            (" On CPU the offload engine copies nothing (a synchronized device)."
+             if settings["device"] == "cpu" else ""),
+            flush=True)
+    elif settings["compile"]:
         # The pair of plain and stash kinds, each run non-reentrant and compiled.
         arms = [
             dict(label="compiled recompute", kind="plain", stashed=0),
@@ -1320,6 +1392,8 @@ def main(argv=None):
                         "subject": subject,
                         "parts": dict(parts)
                     } for subject, parts in comparisons(settings, by_arm)],
+                    "offload_expectations":
+                    offload_expectations(settings, by_arm, predicted_bytes),
                     "wall_s":
                     wall_s,
                 },
@@ -1346,6 +1420,8 @@ def main(argv=None):
         f"timed steps after {settings['warmup']} per run{', AutoEP' if args.autoep else ''}; "
         f"torch {torch.__version__}, transformers {transformers.__version__}, deepspeed {deepspeed.__version__}")
     print(format_table(settings, by_arm, attention_ms, backend, predicted_bytes, repeat_noise, cross_arm))
+    for expectation in offload_expectations(settings, by_arm, predicted_bytes):
+        print(f"expected: {expectation['expected']}: {expectation['measured']}: {expectation['verdict']}")
     print(
         f"wall time: {int(wall_s // 60)} min {int(wall_s % 60):02d} s ({wall_s:.1f} s), from the start to the table, "
         f"for {len(order)} runs of {settings['warmup'] + settings['steps']} steps" +

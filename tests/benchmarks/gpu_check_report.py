@@ -237,6 +237,12 @@ class Report:
         self.bench = _load_json(os.path.join(out, "bench.json"))
         self.op = _load_json(os.path.join(out, "op_figures.json"))
         self.long = _load_json(os.path.join(out, "long.json"))
+        self.offload = [
+            _load_json(os.path.join(work, name))
+            for name in sorted((name
+                                for name in os.listdir(work) if name.startswith("offload-") and name.endswith(".json")),
+                               key=lambda name: int(name[len("offload-"):-len(".json")]))
+        ]
         self.lines = []
 
     def add(self, *lines):
@@ -530,6 +536,36 @@ class Report:
         ], rows))
         self.add("")
 
+    def offload_leg(self):
+        self.add("## Offload", "")
+        steps = [row for row in self.steps if row["name"].startswith("offload-")]
+        self.add(*(f"Command: `{row['command']}`" for row in steps), "")
+        runs = [run for run in self.offload if run]
+        if not runs:
+            self.waited(steps[0]["name"] if steps else "offload-*", "the offload figures")
+            return
+        rows, expectations = [], []
+        for run in runs:
+            sequence = run["settings"]["sequence"]
+            for arm in run["arms"]:
+                memory = arm["peak_allocated_bytes"] if arm["peak_allocated_bytes"] is not None else arm[
+                    "peak_live_bytes"]
+                rows.append([
+                    f"{sequence:,}", arm["label"], f"{arm['median_ms']:,.1f}",
+                    " - ".join(f"{q:,.1f}" for q in arm["quartiles_ms"]),
+                    _mib(memory), f"{arm['offloaded_bytes']:,}", f"{arm['restored_bytes']:,}",
+                    f"{arm['recomputes_served']:,}"
+                ])
+            expectations += [
+                f"- {sequence:,}: {item['expected']}: {item['measured']}: **{item['verdict']}**"
+                for item in run.get("offload_expectations", [])
+            ]
+        self.add(*_table([
+            "sequence", "arm", "median step (ms)", "IQR (ms)", "peak (CUDA allocated; CPU live)", "offloaded B",
+            "restored B", "recomputes served"
+        ], rows))
+        self.add("", *expectations, "")
+
     def peak_memory(self):
         self.add("## Peak memory per arm", "")
         if not self.bench:
@@ -555,10 +591,11 @@ class Report:
 
     def write(self):
         for section in (self.header, self.versions, self.install, self.steps_table, self.suites, self.benchmark,
-                        self.op_figures, self.kept_bytes, self.peak_memory, self.long_sequences, self.failed_logs):
+                        self.op_figures, self.kept_bytes, self.peak_memory, self.long_sequences, self.offload_leg,
+                        self.failed_logs):
             section()
         self.add("Files: RESULTS.md, gpu_check.log (every step's log), junit-image.xml, junit-wheel.xml, bench.json, "
-                 "bench.png, op_figures.json, long.json.")
+                 "bench.png, op_figures.json, long.json (the offload leg's figures are above).")
         path = os.path.join(self.out, "RESULTS.md")
         with open(path, "w") as file:
             file.write("\n".join(self.lines) + "\n")

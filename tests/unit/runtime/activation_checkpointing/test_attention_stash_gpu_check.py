@@ -17,10 +17,10 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
 SCRIPT = os.path.join(REPO, "tests", "benchmarks", "gpu_check.sh")
 STEPS = ("build-wheels", "venv", "install-venv", "probe-image", "probe-wheel", "suite-image", "bench", "op-figures",
-         "long-sequence", "suite-wheel")
+         "long-sequence", "offload-32", "suite-wheel")
 SECTIONS = ("## Versions", "## Offline install", "## Steps", "## GPU tests", "### Leg 1: transformers",
             "### Leg 2: transformers", "## Rest of the suite", "## Benchmark", "## Op-level figures",
-            "## Bytes kept per layer against the planner", "## Peak memory per arm", "## Long sequences")
+            "## Bytes kept per layer against the planner", "## Peak memory per arm", "## Long sequences", "## Offload")
 
 
 def _section(report, title):
@@ -125,6 +125,16 @@ def test_gpu_check_dry_run(tmp_path):
         row = _row(long, str(sequence))
         assert row[1] == "FLASH_ATTENTION" and row[-1] == "8"
         assert row[-3] == row[-2] == f"{4 * sequence * (16 * 4 + 4):,}"
+
+    # The offload leg at tiny shapes: its four arms, the stash's recomputes served (2 layers x 4 steps in the two runs
+    # of each arm), and the offload's two expectations judged (on CPU the engine moves no byte).
+    offload = _section(report, "## Offload")
+    assert [_row(offload, "32")[1]] == ["plain recompute"]
+    arms = [line.split(" | ")[1] for line in offload.splitlines() if line.startswith("| 32 ")]
+    assert arms == ["plain recompute", "offload", "stash 2 layers", "stash 2 + offload"]
+    assert [line.split(" | ")[-1].rstrip(" |") for line in offload.splitlines()
+            if line.startswith("| 32 ")] == ["0", "0", "8", "8"]
+    assert len(re.findall(r"^- 32: .*: \*\*(holds|DOES NOT HOLD|UNRESOLVED)\*\*$", offload, re.M)) == 2
 
     # What the device tool brings back: at most 8 files, no folders.
     files = sorted(path.name for path in out.iterdir())
