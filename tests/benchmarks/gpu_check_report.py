@@ -239,8 +239,8 @@ class Report:
         self.long = _load_json(os.path.join(out, "long.json"))
         self.offload = [
             _load_json(os.path.join(work, name))
-            for name in sorted((name
-                                for name in os.listdir(work) if name.startswith("offload-") and name.endswith(".json")),
+            for name in sorted((name for name in os.listdir(work)
+                                if name.startswith("offload-") and name.endswith(".json")),
                                key=lambda name: int(name[len("offload-"):-len(".json")]))
         ]
         self.lines = []
