@@ -727,9 +727,9 @@ def summarize(settings, arms, runs, attention_ms):
             "recomputes_served":
             sum(run["recomputes_served"] for run in results),
             "offloaded_bytes":
-            sum(run["offloaded_bytes"] for run in results),
+            sum(run.get("offloaded_bytes", 0) for run in results),
             "restored_bytes":
-            sum(run["restored_bytes"] for run in results),
+            sum(run.get("restored_bytes", 0) for run in results),
             # Compiled, each run's layers whose graph saved the attention kernel's outputs.
             "compiled_layers": [run.get("compiled_layers", []) for run in results],
             "steps_run":
