@@ -17,11 +17,12 @@ layer and micro-batch. The table printed last is what a reviewer pastes into a p
 With --compile the model runs under torch.compile, as one pair of arms: non-reentrant recompute against the stash on
 every attention layer, whose compiled graph saves the SDPA kernel's outputs instead of recomputing them.
 
-With --offload, four arms instead: plain reentrant recompute, the same with DeepSpeed's CheckpointHiddenStatesOffload
-around each step (the checkpoints' inputs in pinned host memory), the stash on every attention layer, and the stash
-with that offload, whose kept outputs follow the inputs to the host. It prints whether the stash with offload peaks
-within one layer's kept bytes of the offload alone, and steps within 2% of the stash alone. On CPU DeepSpeed's offload
-engine copies nothing (a synchronized device): the arms run, the offload moves no byte.
+With --offload, four arms instead, all reentrant: plain recompute, the same with the checkpoints' inputs offloaded
+to pinned host memory (transformers' activation_checkpointing_enable(offload=True), or DeepSpeed's
+CheckpointHiddenStatesOffload around each step), the stash on every attention layer, and the stash with that offload,
+whose kept outputs follow the inputs to the host (install_attention_stash's offload=None). It prints whether the stash
+with offload peaks within one layer's kept bytes of the offload alone, and steps within 2% of the stash alone. On CPU
+DeepSpeed's offload engine copies nothing (a synchronized device): the arms run, no byte moves.
 
     python tests/benchmarks/attention_stash_bench.py                       # CPU default, a few minutes on 2 cores
     python tests/benchmarks/attention_stash_bench.py --preset qwen3-30b-a3b # one GPU, Qwen3-30B-A3B attention shapes
@@ -32,6 +33,7 @@ import argparse
 import contextlib
 import copy
 import functools
+import inspect
 import json
 import os
 import socket
@@ -164,8 +166,13 @@ def parse_args(argv=None):
                         "recompute against the stash on every attention layer, both compiled; BACKEND defaults to "
                         f"{_COMPILE_BACKENDS['cuda']} on cuda and {_COMPILE_BACKENDS['cpu']} on cpu")
     parser.add_argument("--offload",
-                        action="store_true",
-                        help="the offload arms: plain, CheckpointHiddenStatesOffload, the stash, the stash with it")
+                        nargs="?",
+                        const="auto",
+                        choices=("auto", ) + OFFLOAD_ROUTES,
+                        help="the offload arms: plain recompute, the checkpoints' inputs offloaded, the stash, the "
+                        "stash with the offload; ROUTE transformers (activation_checkpointing_enable(offload=True): "
+                        "save_on_cpu, transformers >= 5.23 on an accelerator) or deepspeed "
+                        "(CheckpointHiddenStatesOffload); auto: transformers where it can, else deepspeed")
     parser.add_argument("--json", metavar="PATH", help="write the numbers as JSON")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG of step time and peak memory (needs matplotlib)")
     args = parser.parse_args(argv)
@@ -177,9 +184,14 @@ def parse_args(argv=None):
     settings["sequence"] = settings["sequences"][0]
     settings["top_k"] = min(settings["top_k"], settings["experts"])
     settings["compile"] = None
-    settings["offload"] = args.offload
-    if args.offload and (args.compile is not None or args.sequence_parallel or args.autoep):
-        parser.error("--offload takes no --compile, --sequence-parallel or --autoep")
+    settings["offload"] = None
+    if args.offload is not None:
+        if args.compile is not None or args.sequence_parallel or args.autoep or len(settings["sequences"]) > 1:
+            parser.error("--offload takes no --compile, --sequence-parallel or --autoep, and one --sequence length")
+        settings["offload"], why = offload_route(args.offload, settings["device"])
+        if settings["offload"] is None:
+            parser.error(f"--offload {args.offload}: {why}")
+        settings["offload_why"] = why
     if args.compile is not None:
         settings["compile"] = args.compile or _COMPILE_BACKENDS[settings["device"]]
         # The first step of each compiled run compiles, the second measures memory: neither is timed.
@@ -220,6 +232,40 @@ def _lengths(text):
     if not lengths or min(lengths) < 1:
         raise argparse.ArgumentTypeError(f"needs positive lengths, got {text!r}")
     return lengths
+
+
+# --offload's ways to offload the checkpoints' inputs: transformers' own (torch's save_on_cpu around each checkpoint)
+# and DeepSpeed's CheckpointHiddenStatesOffload around each step.
+OFFLOAD_ROUTES = ("transformers", "deepspeed")
+
+
+def offload_route(requested, device):
+    """The route --offload REQUESTED takes on DEVICE, and why; (None, why) where it cannot. transformers' offload=True
+    came with activation_checkpointing_enable (5.23) and pins host memory, which needs an accelerator."""
+    import transformers
+
+    enable = getattr(transformers.PreTrainedModel, "activation_checkpointing_enable", None)
+    if enable is None or "offload" not in inspect.signature(enable).parameters:
+        lacking = f"is not in transformers {transformers.__version__} (5.23 added it)"
+    elif device == "cpu":
+        lacking = "pins host memory, which a CPU run cannot"
+    else:
+        lacking = None
+    if requested == "deepspeed":
+        return "deepspeed", "asked for"
+    if lacking is None:
+        return "transformers", "asked for" if requested == "transformers" else "transformers offers it here"
+    why = f"transformers' offload=True {lacking}"
+    return (None, why) if requested == "transformers" else ("deepspeed", why)
+
+
+def offload_title(settings):
+    """What the offload arms offload the checkpoints' inputs with, in words."""
+    if settings["offload"] == "transformers":
+        route = "transformers' activation_checkpointing_enable(offload=True), torch's save_on_cpu per checkpoint"
+    else:
+        route = "DeepSpeed's CheckpointHiddenStatesOffload around each step"
+    return f"{route} ({settings['offload_why']})"
 
 
 def _init_deepspeed(device):
@@ -359,22 +405,33 @@ def selective_checkpointing(model, kwargs):
     return f"TRL {trl.__version__}'s enable_selective_activation_checkpointing"
 
 
-def _checkpointing(model, kwargs):
-    # transformers 5.23 renamed gradient_checkpointing_enable, keeping the old name as a deprecated alias.
+def _checkpointing(model, kwargs, offload=False):
+    # transformers 5.23 renamed gradient_checkpointing_enable, keeping the old name as a deprecated alias; offload only
+    # the new name takes (offload_route checks).
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_disable()
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        extra = {"offload": True} if offload else {}
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, **extra)
     else:
         model.gradient_checkpointing_disable()
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
-def set_checkpointing(model, kind, compiled=False):
-    """Per-layer checkpointing: reentrant for the stash and plain arms, non-reentrant for the others (TRL's selective
-    checkpointing for the selective arm); non-reentrant for every arm ``compiled`` (dynamo traces every checkpoint as
-    non-reentrant; the stash refuses reentrant ones). Returns the selective arm's source, else None."""
-    kwargs = {"use_reentrant": kind in ("plain", "stash", "offload", "stash_offload") and not compiled}
-    source = selective_checkpointing(model, kwargs) if kind == "selective" else _checkpointing(model, kwargs)
+# The arms whose checkpoints offload their inputs (--offload), and the stash among them.
+OFFLOAD_KINDS = ("offload", "stash_offload")
+
+
+def set_checkpointing(model, kind, compiled=False, offload=None):
+    """Per-layer checkpointing: reentrant for the stash, plain and offload arms, non-reentrant for the others (TRL's
+    selective checkpointing for the selective arm); non-reentrant for every arm ``compiled`` (dynamo traces every
+    checkpoint as non-reentrant; the stash refuses reentrant ones). The offload arms on the transformers route
+    (``offload``) offload each checkpoint's inputs (save_on_cpu); on the deepspeed route run_arm does. Returns the
+    selective arm's source, else None."""
+    kwargs = {"use_reentrant": kind in ("plain", "stash") + OFFLOAD_KINDS and not compiled}
+    if kind == "selective":
+        source = selective_checkpointing(model, kwargs)
+    else:
+        source = _checkpointing(model, kwargs, offload=kind in OFFLOAD_KINDS and offload == "transformers")
     model.train()
     return source
 
@@ -441,6 +498,13 @@ class _LiveTensorBytes(TorchDispatchMode):
             entry[1] += 1
             weakref.finalize(tensor, self._release, pointer)
         return out
+
+
+def _synchronized_accelerator():
+    """Whether DeepSpeed's accelerator runs synchronized (the CPU's): its offload engine then copies nothing."""
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().is_synchronized_device()
 
 
 def _synchronize(device):
@@ -550,7 +614,7 @@ def run_arm(engine, initial, batches, settings, arm):
     model = engine.module
     engine.module.load_state_dict(initial["module"])
     engine.optimizer.load_state_dict(copy.deepcopy(initial["optimizer"]))
-    selective_source = set_checkpointing(model, arm["kind"], compiled)
+    selective_source = set_checkpointing(model, arm["kind"], compiled, settings.get("offload"))
     handle = install_attention_stash(model, arm["stashed"]) if arm["stashed"] else None
     if compiled:
         # Each compiled run compiles its own graphs in its first step, with its stash installed before.
@@ -558,8 +622,9 @@ def run_arm(engine, initial, batches, settings, arm):
     # The step that measures memory: the first, or compiled the second, after the compile.
     measured = 1 if compiled else 0
     times, losses, peak_live, peak_rss, kept, compiled_layers = [], [], None, None, 0, []
-    # The offload arms: DeepSpeed's offload of the checkpoints' inputs around each step (the stash follows it).
-    if arm["kind"] in ("offload", "stash_offload"):
+    # The offload arms on the deepspeed route: DeepSpeed's offload of the checkpoints' inputs around each step, whose
+    # engine the stash's kept outputs go through too.
+    if arm["kind"] in OFFLOAD_KINDS and settings.get("offload") == "deepspeed":
         from deepspeed.runtime.activation_checkpointing.offload_activations import CheckpointHiddenStatesOffload
         offload = CheckpointHiddenStatesOffload()
     else:
@@ -605,6 +670,13 @@ def run_arm(engine, initial, batches, settings, arm):
         if handle is not None and not compiled and handle.recomputes_served != arm["stashed"] * len(batches):
             raise RuntimeError(f"attention_stash_bench needs the stash to serve every recompute of {arm['label']}, "
                                f"got {handle.recomputes_served} of {arm['stashed']} layers x {len(batches)} steps.")
+        # Likewise a stash with offload that kept its outputs on an accelerator, or did not take back all it handed
+        # over, would time the stash alone under the offload's name. On CPU DeepSpeed's engine moves nothing.
+        if arm["kind"] == "stash_offload" and not _synchronized_accelerator() and (
+                handle.offloaded_bytes == 0 or handle.restored_bytes != handle.offloaded_bytes):
+            raise RuntimeError(f"attention_stash_bench needs {arm['label']} to offload its kept outputs and take all "
+                               f"of them back, got {handle.offloaded_bytes:,} B offloaded and "
+                               f"{handle.restored_bytes:,} B restored.")
         kept = handle.peak_kept_bytes if handle is not None else 0
         # Selective checkpointing saves every attention output, the stash those of its layers: a recompute that runs
         # another attention forward falls back, timed under the arm's name.
@@ -834,30 +906,56 @@ def comparisons(settings, by_arm):
     return lines
 
 
+def _at_most(value, noise, bound):
+    """Whether VALUE is at most BOUND by the noise rule: UNRESOLVED where the bound lies within the noise of the value
+    (exact figures, noise 0, resolve), else holds or DOES NOT HOLD."""
+    if noise > 0 and abs(value - bound) <= noise:
+        return "UNRESOLVED"
+    return "holds" if value <= bound else "DOES NOT HOLD"
+
+
+# The most the stash with offload may add to the offload's step, a fraction of the stash alone's step.
+OFFLOAD_STEP_BOUND = 0.02
+
+
 def offload_expectations(settings, by_arm, predicted_bytes):
-    """With --offload: the stash with offload peaks within one layer's kept bytes of the offload alone, and steps
-    within 2% of the stash alone; each measured with its noise, and held, not held, or UNRESOLVED by the noise."""
+    """With --offload, the offload's two expectations, each with what was measured and its verdict by the noise rule:
+    the stash with offload peaks within one layer's kept bytes (the planner's) of the offload alone, and steps within
+    2% of the stash alone. Where nothing was offloaded (a synchronized accelerator, the CPU's) the memory one says so
+    instead of a verdict: the stash kept its outputs where it runs."""
     kinds = {row["kind"]: row for row in by_arm}
     if "stash_offload" not in kinds:
         return []
-    both, memory_key = kinds["stash_offload"], _memory_columns(settings)[0][1]
+    both, offload = kinds["stash_offload"], kinds["offload"]
     stash = max((row for row in by_arm if row["kind"] == "stash"), key=lambda row: row["stashed"])
-    memory, step = compare(both, kinds["offload"], memory_key), compare(both, stash)
-    served = (f"offloaded {both['offloaded_bytes']:,} B and restored {both['restored_bytes']:,} B in "
-              f"{both['steps_run']} steps, {both['recomputes_served']:,} recomputes served")
-
-    def judged(value, noise, bound):
-        return "UNRESOLVED" if abs(value - bound) <= noise else "holds" if value <= bound else "DOES NOT HOLD"
-
+    memory_label, memory_key = _memory_columns(settings)[0]
+    memory, step = compare(both, offload, memory_key), compare(both, stash)
+    if both["offloaded_bytes"]:
+        memory_verdict = _at_most(memory["difference"], memory["noise"], predicted_bytes)
+    else:
+        memory_verdict = "NOT JUDGED: nothing was offloaded (DeepSpeed's offload engine copies nothing on CPU)"
     return [{
-        "expected": f"{both['label']} peaks within one layer's kept bytes ({predicted_bytes:,} B) of offload alone",
-        "measured": f"{_mib_change(memory)} ({served})",
-        "verdict": judged(memory["difference"], memory["noise"], predicted_bytes),
+        "expected": (f"{both['label']} peaks within one layer's kept bytes ({predicted_bytes:,} B, "
+                     f"{predicted_bytes / 2**20:,.1f} MiB) of {offload['label']} alone"),
+        "measured":
+        f"{memory_label} {memory['difference'] / 2**20:+,.1f} ± {memory['noise'] / 2**20:,.1f} MiB",
+        "verdict":
+        memory_verdict,
     }, {
-        "expected": f"{both['label']} steps within 2% of {stash['label']}",
-        "measured": _percent(step),
-        "verdict": judged(step["relative"], step["relative_noise"], 0.02),
+        "expected": f"{both['label']} steps within {OFFLOAD_STEP_BOUND:.0%} of {stash['label']}",
+        "measured": f"step time {step['relative']:+.1%} ± {step['relative_noise']:.1%}",
+        "verdict": _at_most(step["relative"], step["relative_noise"], OFFLOAD_STEP_BOUND),
     }]
+
+
+def offload_moved(by_arm):
+    """What the stash with offload handed to the offload engine and took back, in words (None without the arm)."""
+    both = next((row for row in by_arm if row["kind"] == "stash_offload"), None)
+    if both is None:
+        return None
+    return (f"{both['label']}: offloaded {both['offloaded_bytes']:,} B and restored {both['restored_bytes']:,} B of "
+            f"kept outputs and log-sum-exps in {both['steps_run']} steps; recomputes served "
+            f"{both['recomputes_served']:,} = {both['stashed']} layers x {both['steps_run']} steps")
 
 
 def format_table(settings, by_arm, attention_ms, backend, predicted_bytes, repeat_noise, cross_arm):
@@ -1265,8 +1363,9 @@ def main(argv=None):
     args, settings = parse_args(argv)
     if args.plot:
         _matplotlib()  # before the runs, not after them
-    if settings["device"] == "cpu":
-        # The cores shared among the ranks that torchrun starts on this machine.
+    if settings["device"] == "cpu" and not os.environ.get("OMP_NUM_THREADS"):
+        # The cores shared among the ranks that torchrun starts on this machine; OMP_NUM_THREADS, where set, says
+        # instead (torch starts with it): one thread on cores that other processes keep busy spares OpenMP's waits.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     deepspeed = _init_deepspeed(settings["device"])
     import transformers
@@ -1311,13 +1410,13 @@ def main(argv=None):
             dict(label="offload", kind="offload", stashed=0), arms[2],
             dict(label=f"stash {full} + offload", kind="stash_offload", stashed=full)
         ]
-        print(
-            f"--offload: plain recompute, DeepSpeed's CheckpointHiddenStatesOffload around each step (the checkpoints' "
-            f"inputs in host memory), the stash on all {full} attention layers, and both (the stash follows the "
-            f"offload); reentrant checkpointing. The other arms are left out." +
-            (" On CPU the offload engine copies nothing (a synchronized device)."
-             if settings["device"] == "cpu" else ""),
-            flush=True)
+        print(f"--offload: plain recompute, the checkpoints' inputs offloaded to host memory by "
+              f"{offload_title(settings)}, the stash on all {full} attention layers, and the stash with that offload "
+              f"(installed with offload=None: its kept outputs follow the inputs); reentrant checkpointing. The other "
+              f"arms are left out." +
+              (" DeepSpeed's accelerator is synchronized here (the CPU's): its offload engine copies nothing, so no "
+               "byte moves and the memory expectation is not judged." if _synchronized_accelerator() else ""),
+              flush=True)
     elif settings["compile"]:
         # The pair of plain and stash kinds, each run non-reentrant and compiled.
         arms = [
@@ -1392,6 +1491,10 @@ def main(argv=None):
                         "subject": subject,
                         "parts": dict(parts)
                     } for subject, parts in comparisons(settings, by_arm)],
+                    "offload_route":
+                    offload_title(settings) if settings["offload"] else None,
+                    "offload_moved":
+                    offload_moved(by_arm),
                     "offload_expectations":
                     offload_expectations(settings, by_arm, predicted_bytes),
                     "wall_s":
@@ -1420,6 +1523,9 @@ def main(argv=None):
         f"timed steps after {settings['warmup']} per run{', AutoEP' if args.autoep else ''}; "
         f"torch {torch.__version__}, transformers {transformers.__version__}, deepspeed {deepspeed.__version__}")
     print(format_table(settings, by_arm, attention_ms, backend, predicted_bytes, repeat_noise, cross_arm))
+    if settings["offload"]:
+        print(f"offload of the checkpoints' inputs: {offload_title(settings)}")
+        print(offload_moved(by_arm))
     for expectation in offload_expectations(settings, by_arm, predicted_bytes):
         print(f"expected: {expectation['expected']}: {expectation['measured']}: {expectation['verdict']}")
     print(

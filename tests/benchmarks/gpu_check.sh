@@ -14,10 +14,15 @@
 #   3. the op-level figures (gpu_op_figures.py): the attention forward per fused backend, the saving per stashed
 #      layer and micro-batch, the bytes kept per layer against the planner, peak memory per arm; then the long-sequence
 #      leg: the benchmark's sweep of Llama-8B-shaped attention (32 query and 8 key/value heads of dimension 128,
-#      bf16, 2 layers, micro-batch 1) over 8k, 16k and 32k tokens, as far as its limit allows; then the offload leg at
-#      16k and 32k tokens of the same shapes: plain recompute, DeepSpeed's CheckpointHiddenStatesOffload, the stash,
-#      and the stash with the offload, each arm's step time and peak memory, with the offload's expectations (the
-#      stash with offload within one layer's kept bytes of the offload's peak, and within 2% of the stash's step);
+#      bf16, 2 layers, micro-batch 1) over 8k, 16k and 32k tokens, as far as its limit allows; then the offload leg
+#      (the benchmark's --offload), the same shapes in 4 layers at 16k and at 32k tokens, a step each: plain
+#      recompute, the checkpoints' inputs offloaded (transformers' activation_checkpointing_enable(offload=True) under
+#      leg 2's transformers, DeepSpeed's CheckpointHiddenStatesOffload under 5.17, which lacks it; the log and the
+#      report say which), the stash on all layers, and the stash with the offload (offload=None): each arm's median
+#      step time with its IQR and its peak memory, the bytes the stash offloaded and took back, its recomputes served
+#      (the step fails where one was not, or where it offloaded nothing or took back less), and the two expectations
+#      judged by the noise rule: the stash with offload peaks within one layer's kept bytes of the offload alone, and
+#      steps within 2% of the stash alone;
 #   4. the report, dated, with GPU, driver, torch, CUDA, cuDNN and transformers versions (gpu_check_report.py).
 # Each step runs under its own timeout inside the whole run's budget; one that fails or times out is reported as a
 # failure and the next one runs. Exit status: 0 when every step passed, 1 when one did not, 2 when no report came.
@@ -26,9 +31,10 @@
 #   here, in the checkout:  rm -rf .whl && cp -r ../shared/wheels .whl      (.whl/ is in .gitignore)
 #   device run:             command "bash tests/benchmarks/gpu_check.sh", carry [".whl"], timeout_s 600
 #   RESULTS.md, gpu_check.log, junit-*.xml, bench.json, bench.png, op_figures.json and long.json come back from $OUT
-#   (the offload leg's figures are in RESULTS.md). The steps' caps add up to more than the run's budget: the ones that come last (leg 2's suite) get
+#   (the device tool brings 8 files back at most: the offload leg's JSON stays in the work folder, its figures are in
+#   RESULTS.md). The steps' caps add up to more than the run's budget: the ones that come last (leg 2's suite) get
 #   what is left; where that cuts them short, run again with the benchmark steps done, or raise GPU_CHECK_BUDGET.
-# Before a device is spent on it, on any machine (CPU, tiny shapes, about 90 s; the CI test runs it):
+# Before a device is spent on it, on any machine (CPU, tiny shapes, about 45 s on 2 idle cores; the CI test runs it):
 #   bash tests/benchmarks/gpu_check.sh --dry-run
 # The dry run runs every step the same way; it swaps only the device (CPU), the shapes (tiny), the tests (a few, by
 # -k, the CPU replay case among them) and the wheel folder: one it builds of this project's own wheel, plus
@@ -131,8 +137,11 @@ if [[ $MODE == gpu ]]; then
     DEVICE=cuda
     SHAPES=(--preset qwen3-30b-a3b --device cuda --dtype bfloat16 --sequence 4096 --micro-batch 4)
     LONG=(--preset llama-8b-long --sequence 8192,16384,32768)
-    OFFLOAD_LENGTHS="16384 32768"
-    OFFLOAD=(--preset llama-8b-long --offload --warmup 1 --steps 2)
+    # The offload leg: length and cap (seconds) of each step. 4 layers, so that a stash that kept its outputs on the
+    # device would peak layers beyond the one that the expectation allows over the offload (with 2 it could not).
+    OFFLOAD_STEPS=("16384 60" "32768 90")
+    OFFLOAD=(--preset llama-8b-long --layers 4 --offload --warmup 1 --steps 2)
+    OFFLOAD_ENV=()
     # Not this check's own dry-run test: it would run the dry run inside each leg.
     SUITE=(tests/unit/runtime/activation_checkpointing
         --ignore tests/unit/runtime/activation_checkpointing/test_attention_stash_gpu_check.py)
@@ -141,8 +150,10 @@ else
     SHAPES=(--preset cpu --device cpu --dtype float32 --layers 2 --sequence 64 --micro-batch 1 --experts 2 --warmup 1
         --steps 1)
     LONG=(--preset llama-long-cpu --sequence 32,64)
-    OFFLOAD_LENGTHS="32"
-    OFFLOAD=(--preset llama-long-cpu --offload)
+    OFFLOAD_STEPS=("32 60")
+    OFFLOAD=(--preset llama-long-cpu --layers 4 --offload)
+    # One thread: on 2 cores that another process keeps busy, OpenMP's waits make the tiny steps 50 times slower.
+    OFFLOAD_ENV=(OMP_NUM_THREADS=1)
     SUITE=(tests/unit/runtime/activation_checkpointing/test_attention_stash.py
         tests/unit/runtime/activation_checkpointing/test_attention_stash_from_pretrained.py
         -k "replay_matches_autograd or cuda or kept_bytes_are_one_output or from_pretrained")
@@ -295,13 +306,15 @@ run_step long-sequence 100 env PYTHONPATH="$BENCH_PATH" DS_ACCELERATOR="$DEVICE"
     MASTER_ADDR=127.0.0.1 MASTER_PORT="${PORT:-29500}" "$VPY" tests/benchmarks/attention_stash_bench.py \
     "${LONG[@]}" --json "$OUT/long.json"
 
-# --- 3c. the offload leg: Llama-8B-shaped attention in 2 layers at 16k and 32k tokens, four arms (plain, DeepSpeed's
-# CheckpointHiddenStatesOffload, the stash, the stash with the offload), a step per length, each length's JSON in the
-# work folder: the report gives their figures, and the device tool brings 8 files back from $OUT at most.
-for n in $OFFLOAD_LENGTHS; do
-    run_step "offload-$n" 70 env PYTHONPATH="$BENCH_PATH" DS_ACCELERATOR="$DEVICE" RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 \
-        MASTER_ADDR=127.0.0.1 MASTER_PORT="${PORT:-29500}" "$VPY" tests/benchmarks/attention_stash_bench.py \
-        "${OFFLOAD[@]}" --sequence "$n" --json "$WORK/offload-$n.json"
+# --- 3c. the offload leg: Llama-8B-shaped attention in 4 layers at 16k and 32k tokens, four arms (plain, the inputs
+# offloaded, the stash, the stash with the offload), a step per length (one cut short by its cap keeps the other's),
+# each length's JSON in the work folder: the report gives their figures, and the device tool brings 8 files back from
+# $OUT at most.
+for step in "${OFFLOAD_STEPS[@]}"; do
+    read -r n cap <<<"$step"
+    run_step "offload-$n" "$cap" env PYTHONPATH="$BENCH_PATH" DS_ACCELERATOR="$DEVICE" RANK=0 LOCAL_RANK=0 \
+        WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT="${PORT:-29500}" "${OFFLOAD_ENV[@]}" "$VPY" \
+        tests/benchmarks/attention_stash_bench.py "${OFFLOAD[@]}" --sequence "$n" --json "$WORK/offload-$n.json"
 done
 
 # --- 1, leg 2: the suite under transformers 5.24.0, after the figures that nothing else gives: where the time runs

@@ -237,12 +237,11 @@ class Report:
         self.bench = _load_json(os.path.join(out, "bench.json"))
         self.op = _load_json(os.path.join(out, "op_figures.json"))
         self.long = _load_json(os.path.join(out, "long.json"))
-        self.offload = [
-            _load_json(os.path.join(work, name))
-            for name in sorted((name for name in os.listdir(work)
-                                if name.startswith("offload-") and name.endswith(".json")),
-                               key=lambda name: int(name[len("offload-"):-len(".json")]))
-        ]
+        # The offload leg's JSON by step name (offload-LENGTH), in the work folder.
+        self.offload = {
+            name[:-len(".json")]: _load_json(os.path.join(work, name))
+            for name in os.listdir(work) if name.startswith("offload-") and name.endswith(".json")
+        }
         self.lines = []
 
     def add(self, *lines):
@@ -539,32 +538,41 @@ class Report:
     def offload_leg(self):
         self.add("## Offload", "")
         steps = [row for row in self.steps if row["name"].startswith("offload-")]
-        self.add(*(f"Command: `{row['command']}`" for row in steps), "")
-        runs = [run for run in self.offload if run]
-        if not runs:
-            self.waited(steps[0]["name"] if steps else "offload-*", "the offload figures")
+        if not steps:
+            self.add("Not available (the offload figures): no offload step ran.", "")
             return
-        rows, expectations = [], []
-        for run in runs:
-            sequence = run["settings"]["sequence"]
-            for arm in run["arms"]:
-                memory = arm["peak_allocated_bytes"] if arm["peak_allocated_bytes"] is not None else arm[
-                    "peak_live_bytes"]
-                rows.append([
-                    f"{sequence:,}", arm["label"], f"{arm['median_ms']:,.1f}",
-                    " - ".join(f"{q:,.1f}" for q in arm["quartiles_ms"]),
-                    _mib(memory), f"{arm['offloaded_bytes']:,}", f"{arm['restored_bytes']:,}",
-                    f"{arm['recomputes_served']:,}"
-                ])
-            expectations += [
-                f"- {sequence:,}: {item['expected']}: {item['measured']}: **{item['verdict']}**"
-                for item in run.get("offload_expectations", [])
+        self.add(*(f"Command: `{row['command']}`" for row in steps), "")
+        rows, notes = [], []
+        for step in steps:
+            run = self.offload.get(step["name"])
+            if not run or not run.get("arms"):
+                self.waited(step["name"], f"the offload figures at {step['name'][len('offload-'):]} tokens")
+                continue
+            settings = run["settings"]
+            sequence = f"{settings['sequence']:,}"
+            notes += [
+                f"{sequence} tokens, {settings['layers']} layers, {settings['dtype']} on {settings['device']}: the "
+                f"inputs offloaded by {run.get('offload_route', '?')}; {run.get('offload_moved', '?')}.", ""
             ]
+            notes += [
+                f"- {sequence}: {item['expected']}: {item['measured']}: **{item['verdict']}**"
+                for item in run.get("offload_expectations", [])
+            ] + [""]
+            for arm in run["arms"]:
+                memory = arm["peak_allocated_bytes"]
+                rows.append([
+                    sequence, arm["label"], f"{arm['median_ms']:,.1f}",
+                    " - ".join(f"{q:,.1f}" for q in arm["quartiles_ms"]),
+                    _mib(arm["peak_live_bytes"] if memory is None else memory), f"{arm['offloaded_bytes']:,}",
+                    f"{arm['restored_bytes']:,}", f"{arm['recomputes_served']:,}"
+                ])
+        if not rows:
+            return
         self.add(*_table([
             "sequence", "arm", "median step (ms)", "IQR (ms)", "peak (CUDA allocated; CPU live)", "offloaded B",
             "restored B", "recomputes served"
         ], rows))
-        self.add("", *expectations, "")
+        self.add("", *notes)
 
     def peak_memory(self):
         self.add("## Peak memory per arm", "")

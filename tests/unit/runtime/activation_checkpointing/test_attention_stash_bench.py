@@ -308,6 +308,10 @@ def _fake_runs(bench, device, saved_ms, spread_ms=1.0):
         runs.append((arm["label"], {
             "recomputes_served":
             arm["stashed"] * 8,
+            "offloaded_bytes":
+            0,
+            "restored_bytes":
+            0,
             "times_ms": [median - spread_ms, median, median + spread_ms],
             "median_ms":
             median,
@@ -427,6 +431,152 @@ def test_report_calls_a_saving_beyond_the_attention_forward_noisy(bench):
     assert table.count("NOISY: more than the attention forward (0.93 ms) plus the noise allows") == 3
 
 
+def _offload_arms(bench, stash_ms=1000.0, step=0.01, spread_ms=1.0, extra_layers=0.5, offloaded=1):
+    """--offload's four arms on a GPU, summarized: the stash with offload ``step`` (a fraction) slower than the stash
+    alone, and ``extra_layers`` of one layer's kept bytes above the offload alone at its peak."""
+    settings = {**bench.PRESETS["llama-8b-long"], "layers": 4, "pad_fraction": 0.0, "offload": "transformers"}
+    layer = 272_629_760
+    arms = [
+        dict(label="plain recompute", kind="plain", stashed=0),
+        dict(label="offload", kind="offload", stashed=0),
+        dict(label="stash 4 layers", kind="stash", stashed=4),
+        dict(label="stash 4 + offload", kind="stash_offload", stashed=4),
+    ]
+    medians = {
+        "plain": stash_ms + 40.0,
+        "offload": stash_ms + 50.0,
+        "stash": stash_ms,
+        "stash_offload": stash_ms * (1 + step)
+    }
+    peaks = {"plain": 20 * 2**30, "offload": 19 * 2**30, "stash": 20 * 2**30 + 3 * layer}
+    peaks["stash_offload"] = peaks["offload"] + int(extra_layers * layer)
+    runs = []
+    for arm in arms + arms[::-1]:
+        median, stashed = medians[arm["kind"]], arm["stashed"]
+        moved = offloaded * stashed * 3 * layer if arm["kind"] == "stash_offload" else 0
+        runs.append((arm["label"], {
+            "recomputes_served": stashed * 3,
+            "offloaded_bytes": moved,
+            "restored_bytes": moved,
+            "times_ms": [median - spread_ms, median, median + spread_ms],
+            "median_ms": median,
+            "losses": [2.5] * 3,
+            "kept_bytes": stashed * layer,
+            "peak_allocated_bytes": peaks[arm["kind"]],
+            "peak_rss_bytes": None,
+            "peak_live_bytes": None,
+        }))
+    by_arm, _, _ = bench.summarize(settings, arms, runs, attention_ms=20.0)
+    return settings, by_arm, layer
+
+
+@pytest.mark.parametrize(
+    "options, verdicts",
+    [
+        ({}, ["holds", "holds"]),  # half a layer above the offload, 1.0% ± 0.15% slower than the stash
+        (dict(extra_layers=3, step=0.05), ["DOES NOT HOLD", "DOES NOT HOLD"]),  # kept on the device; 5% slower
+        (dict(extra_layers=1, step=0.019, spread_ms=10.0), ["holds", "UNRESOLVED"]),  # 2% within 1.9% ± 1.5%
+        (dict(offloaded=0), ["NOT JUDGED: nothing was offloaded", "holds"]),  # a synchronized accelerator
+    ])
+def test_offload_expectations_judged_by_the_noise_rule(bench, options, verdicts):
+    settings, by_arm, layer = _offload_arms(bench, **options)
+    memory, step = bench.offload_expectations(settings, by_arm, layer)
+    assert memory["expected"] == ("stash 4 + offload peaks within one layer's kept bytes (272,629,760 B, 260.0 MiB) "
+                                  "of offload alone")
+    assert step["expected"] == "stash 4 + offload steps within 2% of stash 4 layers"
+    assert memory["verdict"].startswith(verdicts[0]) and step["verdict"] == verdicts[1]
+    if not options:
+        assert memory["measured"] == "peak alloc +130.0 ± 0.0 MiB" and step["measured"] == "step time +1.0% ± 0.1%"
+    # The stash with offload against the offload alone, as each stash arm against its own recompute.
+    both = by_arm[-1]
+    assert both["baseline"] == "offload" and both["kept_per_layer_bytes"] == layer
+    # Each of its 2 runs moved 4 layers x 3 steps of kept bytes each way.
+    moved = f"{24 * layer * options.get('offloaded', 1):,} B"
+    assert bench.offload_moved(by_arm) == (f"stash 4 + offload: offloaded {moved} and restored {moved} of kept "
+                                           f"outputs and log-sum-exps in 6 steps; recomputes served 24 = 4 layers x 6 "
+                                           f"steps")
+
+
+def test_offload_route_follows_what_transformers_offers(bench, monkeypatch):
+    """auto: transformers' own offload where activation_checkpointing_enable takes offload and the run has an
+    accelerator, else DeepSpeed's CheckpointHiddenStatesOffload, saying why; transformers asked for where it cannot
+    be is refused."""
+    import transformers
+
+    def enable(self, activation_checkpointing_kwargs=None, every_n_layers=1, offload=False):
+        pass
+
+    monkeypatch.setattr(transformers.PreTrainedModel, "activation_checkpointing_enable", enable, raising=False)
+    assert bench.offload_route("auto", "cuda") == ("transformers", "transformers offers it here")
+    assert bench.offload_route("transformers", "cuda") == ("transformers", "asked for")
+    assert bench.offload_route("auto",
+                               "cpu") == ("deepspeed",
+                                          "transformers' offload=True pins host memory, which a CPU run cannot")
+    assert bench.offload_route("deepspeed", "cuda") == ("deepspeed", "asked for")
+    monkeypatch.delattr(transformers.PreTrainedModel, "activation_checkpointing_enable")
+    route, why = bench.offload_route("auto", "cuda")
+    assert route == "deepspeed" and why == (f"transformers' offload=True is not in transformers "
+                                            f"{transformers.__version__} (5.23 added it)")
+    assert bench.offload_route("transformers", "cuda") == (None, why)
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--offload", "transformers"], "--offload transformers: transformers' offload=True "),
+    (["--offload", "--sequence", "32,64"], "--offload takes no --compile, --sequence-parallel or --autoep, and one"),
+    (["--offload", "--compile"], "--offload takes no --compile"),
+])
+def test_bench_refuses_what_it_cannot_offload(bench, capsys, options, message):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--preset", "llama-long-cpu", *options])
+    assert message in capsys.readouterr().err
+
+
+def test_offload_arms_checkpointing(bench):
+    """Every offload arm checkpoints reentrant; on the transformers route its checkpoints offload their inputs
+    (activation_checkpointing_enable(offload=True)), on the deepspeed route run_arm's context does instead."""
+
+    class Model:
+
+        def __init__(self):
+            self.calls = []
+
+        def activation_checkpointing_disable(self):
+            pass
+
+        def activation_checkpointing_enable(self, activation_checkpointing_kwargs=None, offload=False):
+            self.calls.append((activation_checkpointing_kwargs, offload))
+
+        def train(self):
+            pass
+
+    model = Model()
+    for kind, route in (("offload", "transformers"), ("stash_offload", "transformers"), ("stash", "transformers"),
+                        ("stash_offload", "deepspeed"), ("plain", None)):
+        bench.set_checkpointing(model, kind, offload=route)
+    reentrant = {"use_reentrant": True}
+    assert model.calls == [(reentrant, True), (reentrant, True), (reentrant, False), (reentrant, False),
+                           (reentrant, False)]
+
+
+@on_cpu_accelerator
+def test_bench_fails_a_stash_with_offload_that_moves_nothing(bench, monkeypatch):
+    """On an accelerator that copies, a stash with offload that offloaded nothing would time the stash alone under
+    the offload's name: the run stops. Here the CPU passes for one (DeepSpeed's engine never copies on it)."""
+    monkeypatch.setattr(bench, "_synchronized_accelerator", lambda: False)
+    # One thread, as the GPU check's dry run runs this leg: on cores that other processes keep busy, OpenMP's waits
+    # make the tiny steps far slower.
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with pytest.raises(RuntimeError,
+                       match=r"attention_stash_bench needs stash 2 \+ offload to offload its kept outputs and take "
+                       r"all of them back, got 0 B offloaded and 0 B restored"):
+        try:
+            bench.main(["--preset", "llama-long-cpu", "--offload", "--sequence", "32"])
+        finally:
+            torch.set_num_threads(threads)
+
+
 def test_host_benchmark_runs_and_counts_what_it_served(capsys):
     """Bookkeeping only: the host benchmark's few pairs run on both models in both modes beside TRL's selective
     checkpointing (TRL's own: requirements-dev.txt installs it), every recompute is served, the tables, the modes'
@@ -524,6 +674,8 @@ def _sweep_runs(plain_ms, stash_ms, spread_ms, stashed=4):
         median = stash_ms if arm["stashed"] else plain_ms
         runs.append((arm["label"], {
             "recomputes_served": arm["stashed"] * 3,
+            "offloaded_bytes": 0,
+            "restored_bytes": 0,
             "times_ms": [median - spread_ms, median, median + spread_ms],
             "median_ms": median,
             "losses": [2.5] * 3,
