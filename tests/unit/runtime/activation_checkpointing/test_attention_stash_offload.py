@@ -134,6 +134,27 @@ def offloaded_step(model, ids, context=None, handle=None, pinned=None, shapes=(O
     return loss, param_grads(model), between, after, len(pinned or ()) - pinned_before
 
 
+def assert_offloaded_step(step, handle, expected_loss, expected, output, lse):
+    """An offloaded_step of a stashed model with offloaded kept outputs: bitwise as ``expected`` (loss and gradients),
+    every recompute served; between the passes one layer's output on the device at most (the engine keeps its last
+    tensor there, which a reentrant checkpoint's inputs, saved after its function, may be instead), the rest on the
+    host, one copy each, the host's bytes the handle's; after the step nothing on the device. ``output`` and ``lse``:
+    (shape, bytes) of one layer's."""
+    loss, grads, (device, hosted, host_bytes), after, _ = step
+    assert torch.equal(loss, expected_loss)
+    assert_same_grads(grads, expected)
+    assert (handle.recomputes_served, handle.num_kept, handle.released_without_backward) == (NUM_LAYERS, 0, 0)
+    (output, output_bytes), (lse, lse_bytes) = output, lse
+    on_device = device[output]
+    assert on_device <= 1 and device == Counter({output: on_device})
+    assert hosted == Counter({output: NUM_LAYERS - on_device, lse: NUM_LAYERS})
+    assert handle.offloaded_bytes == NUM_LAYERS * (output_bytes + lse_bytes)
+    assert host_bytes == handle.offloaded_bytes - on_device * output_bytes
+    assert handle.restored_bytes == handle.offloaded_bytes
+    # The host buffers are in the engine's pool after the step (the routes' test: the next step pins none).
+    assert after[0] == Counter() and live_checkpoint_calls() == []
+
+
 @pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non_reentrant"])
 @pytest.mark.parametrize("route", ROUTES)
 def test_kept_outputs_follow_the_checkpoint_to_host_memory(install, host, route, use_reentrant, request):
@@ -148,21 +169,8 @@ def test_kept_outputs_follow_the_checkpoint_to_host_memory(install, host, route,
     layer_bytes = attention_stash_layer_bytes(model, 2, 32)
     assert layer_bytes == OUTPUT_BYTES + LSE_BYTES
 
-    loss, grads, between, after, _ = offloaded_step(model, ids, context, handle, host)
-    assert torch.equal(loss, expected_loss)
-    assert_same_grads(grads, expected)
-    assert (handle.recomputes_served, handle.num_kept, handle.released_without_backward) == (NUM_LAYERS, 0, 0)
-    # Between the passes: one layer's output on the device at most (the engine keeps its last tensor there, which a
-    # reentrant checkpoint's inputs, saved after its function, may be instead), the rest on the host, one copy each.
-    device, hosted, host_bytes = between
-    on_device = device[OUTPUT]
-    assert on_device <= 1 and device == Counter({OUTPUT: on_device})
-    assert hosted == Counter({OUTPUT: NUM_LAYERS - on_device, LSE: NUM_LAYERS})
-    assert handle.offloaded_bytes == NUM_LAYERS * layer_bytes
-    assert host_bytes == handle.offloaded_bytes - on_device * OUTPUT_BYTES
-    assert handle.restored_bytes == handle.offloaded_bytes
-    # After it, nothing on the device; the host buffers in the engine's pool, which serves the next step.
-    assert after[0] == Counter() and live_checkpoint_calls() == []
+    assert_offloaded_step(offloaded_step(model, ids, context, handle, host), handle, expected_loss, expected,
+                          (OUTPUT, OUTPUT_BYTES), (LSE, LSE_BYTES))
     *_, pinned_in_second_step = offloaded_step(model, ids, context, handle, host)
     assert pinned_in_second_step == 0
     assert handle.recomputes_served == 2 * NUM_LAYERS and handle.restored_bytes == 2 * NUM_LAYERS * layer_bytes

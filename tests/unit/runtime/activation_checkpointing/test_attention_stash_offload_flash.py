@@ -8,13 +8,12 @@ varlen call's cu_seqlens, the batch's own, stay where they are."""
 
 import pytest
 import torch
-from collections import Counter
 
 from attention_stash_flash import flash_attn_or_skip, use_flash_attention_2
 from attention_stash_flash3 import use_hub_kernel
-from attention_stash_helpers import NUM_LAYERS, assert_same_grads, live_checkpoint_calls, llama_model
+from attention_stash_helpers import NUM_LAYERS, llama_model
 from test_attention_stash_flash import DOCUMENTS, make_batch
-from test_attention_stash_offload import host, offload_enabled, offloaded_step  # noqa: F401 (host: a fixture)
+from test_attention_stash_offload import assert_offloaded_step, host, offload_enabled, offloaded_step  # noqa: F401
 
 flash_attn_or_skip()
 
@@ -50,16 +49,6 @@ def test_a_flash_step_follows_the_offload(install, host, implementation, kind, u
     expected_loss, expected, *_ = offloaded_step(model(), inputs)
     stashed = model()
     handle = install(stashed, NUM_LAYERS)
-    loss, grads, between, after, _ = offloaded_step(stashed, inputs, None, handle, host, (output, lse))
-    assert torch.equal(loss, expected_loss)
-    assert_same_grads(grads, expected)
-    assert (handle.recomputes_served, handle.num_kept, handle.released_without_backward) == (NUM_LAYERS, 0, 0)
-    device, hosted, host_bytes = between
-    on_device = device[output]
-    assert on_device <= 1 and device == Counter({output: on_device})
-    assert hosted == Counter({output: NUM_LAYERS - on_device, lse: NUM_LAYERS})
-    output_bytes = torch.Size(output).numel() * 2
-    assert handle.offloaded_bytes == NUM_LAYERS * (output_bytes + torch.Size(lse).numel() * 4)
-    assert host_bytes == handle.offloaded_bytes - on_device * output_bytes == handle.restored_bytes - on_device * (
-        output_bytes)
-    assert after[0] == Counter() and live_checkpoint_calls() == []
+    output_bytes, lse_bytes = torch.Size(output).numel() * 2, torch.Size(lse).numel() * 4
+    assert_offloaded_step(offloaded_step(stashed, inputs, None, handle, host, (output, lse)), handle, expected_loss,
+                          expected, (output, output_bytes), (lse, lse_bytes))
