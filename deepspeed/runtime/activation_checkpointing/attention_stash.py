@@ -11,15 +11,15 @@ forward to its recompute, and hands them to the attention backward: the recomput
 Contents, in reading order:
 
 - Records and errors: ``AttentionStashError``, what one attention call keeps, the arguments compared between passes.
-- Kernels: the table of PyTorch's fused SDPA backends, the flash-attn interfaces the stash knows (flash-attn 2's and
-  3's, from a package or a Hub kernel), and ``_AttentionNode``, the one autograd node that runs or replays a kernel in
-  both passes of both checkpoint modes.
+- Kernels: the table of PyTorch's fused SDPA backends, the flash-attn interfaces the stash knows (flash-attn 2's, 3's
+  and 4's, from a package or a Hub kernel), and ``_AttentionNode``, the one autograd node that runs or replays a kernel
+  in both passes of both checkpoint modes.
 - One checkpoint call: ``_CheckpointCall``, run by a stashed layer's checkpoint in place of the layer's function, with
   the one skeleton of an attention call, and what it keeps offloaded where the checkpoint offloads its inputs
   (DeepSpeed's offload engine); under torch.compile, the checkpoint's selective-checkpointing policy instead.
-- The implementations table: a record per attention implementation served ("sdpa", "flash_attention_2",
-  "flash_attention_3", a Hub kernel's): how the stash's copy of Hugging Face's function reaches the checkpoint call,
-  how its kernels are loaded and checked, its planner geometry.
+- The implementations table: a record per attention implementation served ("sdpa", "flash_attention_2" to "_4", a Hub
+  kernel's): how the stash's copy of Hugging Face's function reaches the checkpoint call, how its kernels are loaded
+  and checked, its planner geometry.
 - The hold on Hugging Face's objects: the layer class's checkpoint-function slot and the interface's entries.
 - Discovery and the planner: a plan per attention layer, made once per install, and the bytes it keeps.
 - The installer and the handle: ``install_attention_stash``, ``AttentionStashHandle``, and the planner's functions.
@@ -124,7 +124,7 @@ class _FlashArguments:
     dropout_p: float = 0.0
     softmax_scale: float = None
     causal: bool = False
-    window_size: tuple = (-1, -1)
+    window_size: tuple = None  # none given: its family's default, no window
     softcap: float = 0.0
     alibi_slopes: torch.Tensor = None
     deterministic: bool = False
@@ -145,17 +145,18 @@ class _FlashArguments:
     num_splits: int = 1
     pack_gqa: bool = None
     sm_margin: int = 0
-    # vLLM's flash-attn 3's attention sinks (gpt-oss's): in each row's normaliser, so in the log-sum-exp its backward
-    # takes, which gives them no gradient.
+    # Attention sinks (gpt-oss's), in each row's normaliser and so in the log-sum-exp: vLLM's flash-attn 3's, to which
+    # its backward gives no gradient, and flash-attn 4's, which the stash's node takes as an input for their gradient.
     s_aux: torch.Tensor = None
+    learnable_sink: torch.Tensor = None
     # The cu_seqlens' and sinks' version counters at the call: a padding-free collator's reach both passes as the same
-    # tensors.
+    # tensors. Then flash-attn 4's arguments the stash does not model, by name (_flash_arguments).
     versions: tuple = None
+    others: dict = None
 
     def __post_init__(self):
-        if self.cu_seqlens_q is not None or self.s_aux is not None:
-            self.versions = tuple(t if t is None else t._version
-                                  for t in (self.cu_seqlens_q, self.cu_seqlens_k, self.s_aux))
+        if self.cu_seqlens_q is not None or self.s_aux is not None or self.learnable_sink is not None:
+            self.versions = tuple(getattr(getattr(self, name), "_version", None) for name in _FLASH_TENSORS)
 
     def differing(self, other):
         """As _SdpaArguments.differing; cu_seqlens and sinks by value, or by version where both passes got the same
@@ -166,7 +167,7 @@ class _FlashArguments:
                 return name
         if self.alibi_slopes is not other.alibi_slopes:
             return "alibi_slopes"
-        for name, version in zip(("cu_seqlens_q", "cu_seqlens_k", "s_aux"), self.versions or ()):
+        for name, version in zip(_FLASH_TENSORS, self.versions or (None, ) * 4):
             ours, theirs = getattr(self, name), getattr(other, name)
             if ours is theirs:
                 if theirs is not None and theirs._version != version:
@@ -189,14 +190,20 @@ class _FlashArguments:
 
     def unserved(self):
         """The first argument given that asks for more than the attention output of plain softmax attention (an
-        extra output, a paged cache, FP8 scales, another input, chunked attention); None for none."""
+        extra output, a paged cache, FP8 scales, another input, chunked attention, a score or mask modification,
+        block sparsity, a gather), as name=value; None for none."""
         for name in ("return_attn_probs", "block_table", "seqused_q", "seqused_k", "qv", "q_descale", "k_descale",
                      "v_descale", "attention_chunk"):
             value = getattr(self, name)
             if value is not None and value is not False and not (type(value) is int and value == 0):
-                return name
-        return None
+                return f"{name}={value!r}"
+        given = ((name, value) for name, value in (self.others or {}).items()
+                 if value is not None and value is not False)
+        return next((f"{name}={value!r}" for name, value in given), None)
 
+
+# The tensors compared between the passes by value, or by version where both passes got the same one.
+_FLASH_TENSORS = ("cu_seqlens_q", "cu_seqlens_k", "s_aux", "learnable_sink")
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Kernels. Each ``kernel`` runs a forward op, returning (output, the other tensors its backward takes, log-sum-exp
@@ -436,24 +443,30 @@ def _mask_digest(mask):
     return digest
 
 
-# flash-attn 2 and 3, from their pip packages or a Hub kernel: flash_attn_func for plain batches,
+# flash-attn 2, 3 and 4, from their pip packages or a Hub kernel: flash_attn_func for plain batches,
 # flash_attn_varlen_func for padded (unpadded first) and packed ones. Their autograd functions call their interface
 # module's kernel functions (plain functions, or custom ops as a Hub build's are), which the stash calls by name in
 # that module, each argument by its parameter's name, with the values those functions pass: flash-attn 2's pad the head
 # dimension to a multiple of 8 and save (query, key, value, padded output, log-sum-exp, [cu_seqlens_q, cu_seqlens_k,]
 # rng_state); flash-attn 3's save (query, key, value, output, log-sum-exp, [cu_seqlens_q, cu_seqlens_k, seqused_q,
-# seqused_k]). So does the stash's node, its padding differentiable. A kernel function's parameters not named here
-# (flash-attn 3's rotary_interleaved, scheduler_metadata) keep their defaults, as the autograd functions leave them.
+# seqused_k]); flash-attn 4's, the sinks too, and its backward returns the gradients (the sinks' from 4.0.0b26). So
+# does the stash's node, its padding differentiable. A kernel function's parameters not named here (flash-attn 3's
+# rotary_interleaved, scheduler_metadata) keep their defaults, as the autograd functions leave them; but flash-attn 4's
+# forward computes the log-sum-exp where an input requires grad, or for return_lse=True, as the stash asks.
 
 
-def _flash_values(a):
-    """The arguments of a flash call as flash-attn's kernel functions name them, each build's names included; the
+def _flash_values(a, family):
+    """The arguments of a flash call as ``family``'s kernel functions name them, each build's names included; the
     tensors of the call are added by the caller."""
     values = {name: getattr(a, name) for name in _FLASH_FIELDS}
-    (left, right), values["is_causal"] = a.window_size, a.causal
-    values.update(window_size_left=left, window_size_right=right, sequed_q=a.seqused_q, sequed_k=a.seqused_k)
+    values["window_size"] = left, right = a.window_size or family.window
+    values.update(is_causal=a.causal,
+                  window_size_left=left,
+                  window_size_right=right,
+                  sequed_q=a.seqused_q,
+                  sequed_k=a.seqused_k)
     # What the autograd functions pass as none or false: no extra output, cache, rotary embedding or buffer.
-    values.update(_FLASH_NONE, return_softmax=False, zero_tensors=False)
+    values.update(_FLASH_NONE, return_softmax=False, zero_tensors=False, return_lse=True)
     return values
 
 
@@ -462,23 +475,33 @@ _FLASH_NONE = dict.fromkeys(("leftpad_k", "k_new", "v_new", "out", "out_", "cu_s
                              "kv_batch_idx", "rotary_cos", "rotary_sin", "seqlens_rotary"))
 
 
-def _flash_kernel(module, function, parameters, rng_state, q, k, v, mask, a):
-    values = _flash_values(a)
+def _flash_kernel(module, function, parameters, family, q, k, v, mask, a):
+    values = _flash_values(a, family)
     values.update(q=q, k=k, v=v)
     out, lse, *rest = getattr(module, function)(**{name: values[name] for name in parameters if name in values})
     # flash-attn 2's forward returns its backward's rng_state last.
-    return out, (lse, *a.varlen()[:2], *(rest[-1:] if rng_state else ())), ()
+    return out, (lse, *a.varlen()[:2], *(rest[-1:] if family.rng_state else ())), ()
 
 
-def _flash_backward(module, function, parameters, rng_state, grad, q, k, v, mask, out, tensors, scalars, a,
-                    needs_grad):
-    values = _flash_values(a)
-    grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
-    values.update(dout=grad, q=q, k=k, v=v, out=out, softmax_lse=tensors[0], dq=grads[0], dk=grads[1], dv=grads[2])
-    if rng_state:
+def _flash_backward(module, function, parameters, family, grad, q, k, v, mask, out, tensors, scalars, a, needs_grad):
+    values = _flash_values(a, family)
+    grads = (None, ) * 3 if family.returns_grads else (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
+    values.update(dout=grad,
+                  q=q,
+                  k=k,
+                  v=v,
+                  out=out,
+                  softmax_lse=tensors[0],
+                  lse=tensors[0],
+                  dq=grads[0],
+                  dk=grads[1],
+                  dv=grads[2],
+                  learnable_sink=mask)
+    if family.rng_state:
         values["rng_state"] = tensors[-1]
-    getattr(module, function)(**{name: values[name] for name in parameters if name in values})
-    return grads
+    del values["pack_gqa"]  # a forward's argument: flash-attn 4's backward takes its own default
+    result = getattr(module, function)(**{name: values[name] for name in parameters if name in values})
+    return result if family.returns_grads else grads
 
 
 @dataclass(frozen=True, eq=False)
@@ -487,7 +510,8 @@ class _FlashFamily:
     release, the parameters of its flash_attn_func and flash_attn_varlen_func beyond q, k and v, the prefixes of the
     kernel functions its autograd functions call (the first a module has), their names after the prefix (forward,
     varlen forward, backward, varlen backward) and parameters, whether its forward returns an rng_state for its
-    backward, and the head-dimension multiple of its output."""
+    backward, the head-dimension multiple of its output, whether its backward returns the gradients, and the window
+    its flash functions take by default (none)."""
 
     name: str
     release: str
@@ -497,14 +521,16 @@ class _FlashFamily:
     signatures: tuple
     rng_state: bool
     head_dim_multiple: int
+    returns_grads: bool = False
+    window: tuple = (-1, -1)
 
     def ops(self, module, names, varlen):
         """Ops for flash_attn_func (or flash_attn_varlen_func) of ``module``, whose kernel functions are ``names``."""
         (forward, backward), signatures = (names[varlen], names[2 + varlen]), self.signatures[varlen::2]
         forward_parameters, backward_parameters = (tuple(signature.split()) for signature in signatures)
         return _Ops(f"{self.name} ({'flash_attn_varlen_func' if varlen else 'flash_attn_func'})", forward,
-                    partial(_flash_kernel, module, forward, forward_parameters, self.rng_state),
-                    partial(_flash_backward, module, backward, backward_parameters, self.rng_state), _float_mask,
+                    partial(_flash_kernel, module, forward, forward_parameters, self),
+                    partial(_flash_backward, module, backward, backward_parameters, self), _float_mask,
                     self.head_dim_multiple)
 
 
@@ -528,6 +554,34 @@ _FLASH3_FUNCTIONS = ("forward", "forward", "backward", "backward")
 _HUB_FLASH3_WINDOW = ("causal window_size ", "causal window_size_left window_size_right ")
 # kernels-community/vllm-flash-attn3: no attention_chunk, and attention sinks (s_aux).
 _VLLM_FLASH3_FORWARD = _FLASH3_FORWARD.replace(" attention_chunk", "") + " s_aux"
+# flash-attn 4 (flash_attn.cute.interface): flash_attn_func's and flash_attn_varlen_func's parameters in any release
+# read, its kernel functions' in 4.0.0b19, and the betas whose kernel functions' are the same, read from b19 to b40.
+_FLASH4_PARAMETERS = (_FLASH_VARLEN_PARAMETERS + "min_seqlen_k seqused_q seqused_k page_table qv gather_kv_indices "
+                      "softmax_scale causal window_size learnable_sink softcap num_splits pack_gqa deterministic "
+                      "score_mod score_mod_bwd mask_mod aux_tensors aux_scalars block_sparse_tensors "
+                      "block_sparse_tensors_bwd return_lse scheduler_metadata seqlen_k_per_split "
+                      "disable_scheduler_metadata gather_bwd_recompute_p gather_bwd_token_chunk config scales")
+_FLASH4_FORWARD = ("q k v qv cu_seqlens_q cu_seqlens_k seqused_q seqused_k max_seqlen_q max_seqlen_k min_seqlen_k "
+                   "page_table softmax_scale causal softcap window_size_left window_size_right learnable_sink tile_mn "
+                   "mma_pv_is_rs intra_wg_overlap num_threads num_splits pack_gqa _arch score_mod mask_mod "
+                   "block_sparse_tensors return_lse out lse aux_tensors aux_scalars q_descale k_descale v_descale "
+                   "gather_kv_indices")
+_FLASH4_BACKWARD = ("q k v out dout lse softmax_scale causal softcap window_size_left window_size_right m_block_size "
+                    "n_block_size num_threads pack_gqa num_stages_Q num_stages_dO SdP_swapAB dKV_swapAB dQ_swapAB "
+                    "AtomLayoutMSdP AtomLayoutNdKV AtomLayoutMdQ V_in_regs cu_seqlens_q cu_seqlens_k seqused_q "
+                    "seqused_k max_seqlen_q max_seqlen_k deterministic dq dk dv score_mod score_mod_bwd mask_mod "
+                    "aux_tensors aux_scalars block_sparse_tensors dlse")
+_FLASH4_B25 = _FLASH4_FORWARD + " scheduler_metadata seqlen_k_per_split disable_scheduler_metadata"
+_FLASH4_RECORDS = {
+    "4.0.0b19 to 4.0.0b24": (_FLASH4_FORWARD, _FLASH4_BACKWARD),
+    "4.0.0b25": (_FLASH4_B25, _FLASH4_BACKWARD),
+    # The sinks' gradient: the backward takes them, and returns it last.
+    "4.0.0b26 to 4.0.0b31": (_FLASH4_B25, _FLASH4_BACKWARD + " learnable_sink"),
+    "4.0.0b32 to 4.0.0b36": (_FLASH4_B25 + " gather_bwd_recompute_p", _FLASH4_BACKWARD + " learnable_sink"),
+    "4.0.0b39 to 4.0.0b40":
+    (_FLASH4_B25.replace(" num_threads", "").replace("q_descale k_descale v_descale", "scales") +
+     " gather_bwd_recompute_p config", _FLASH4_BACKWARD + " learnable_sink config"),
+}
 _FLASH_FAMILIES = (
     _FlashFamily(
         "flash-attn 2", "flash-attn 2.8",
@@ -552,6 +606,10 @@ _FLASH_FAMILIES = (
     _FlashFamily("vLLM's flash-attn 3", "the Hub build kernels-community/vllm-flash-attn3",
                  frozenset(_FLASH3_PARAMETERS.replace(" attention_chunk", " s_aux").split()), ("_flash_attn_", ),
                  _FLASH3_FUNCTIONS, (_VLLM_FLASH3_FORWARD, ) * 2 + (_FLASH3_BACKWARD, ) * 2, False, 1),
+    *(_FlashFamily("flash-attn 4", f"flash-attn-4 {release}", frozenset(_FLASH4_PARAMETERS.split()),
+                   ("_flash_attn_", ), ("fwd", "fwd", "bwd", "bwd"),
+                   (forward, ) * 2 + (backward, ) * 2, False, 1, True, (None, None))
+      for release, (forward, backward) in _FLASH4_RECORDS.items()),
 )
 
 
@@ -579,7 +637,8 @@ class _AttentionNode(torch.autograd.Function):
         query, key, value, mask, out, *tensors = ctx.saved_tensors
         grads = ctx.ops.backward(grad, query, key, value, mask, out, tensors, ctx.scalars, ctx.arguments,
                                  ctx.needs_input_grad)
-        return (*grads, None, None)
+        # (dq, dk, dv), and flash-attn 4's sinks' gradient where it computes one.
+        return (*grads, None, None)[:5]
 
 
 # The node's apply without autograd.Function.apply's functorch handling (as costly as the node): the stash refuses it.
@@ -855,15 +914,18 @@ class _CheckpointCall:
         unserved = a.unserved()
         if unserved is not None:
             raise AttentionStashError(f"{_FEATURE} needs flash-attn calls that return the attention output of plain "
-                                      f"softmax attention alone in {self.stash.name}, got {unserved}="
-                                      f"{getattr(a, unserved)!r}. Remove the stash from this layer.")
-        if a.s_aux is not None and a.s_aux.requires_grad:
+                                      f"softmax attention alone in {self.stash.name}, got {unserved}. Remove the "
+                                      f"stash from this layer.")
+        sinks = a.s_aux if a.learnable_sink is None else a.learnable_sink
+        family = interface.family
+        if sinks is not None and sinks.requires_grad and "learnable_sink" not in family.signatures[2].split():
             raise AttentionStashError(f"{_FEATURE} needs attention sinks that do not require grad in "
-                                      f"{self.stash.name}, got s_aux (the layer's sinks, as gpt-oss passes them) that "
-                                      f"requires grad for {interface.family.name}, whose backward gives the sinks no "
+                                      f"{self.stash.name}, got {'s_aux' if sinks is a.s_aux else 'learnable_sink'} "
+                                      f"(the layer's sinks, as gpt-oss passes them) that requires grad for "
+                                      f"{family.name} as {family.release} has it, whose backward gives the sinks no "
                                       f"gradient. Freeze the sinks (as LoRA does), or remove the stash from layers "
                                       f"with sinks and train them with an implementation whose backward computes "
-                                      f"their gradient.")
+                                      f"their gradient (flash-attn 4 from 4.0.0b26).")
         if isinstance(a.alibi_slopes, torch.Tensor) and a.alibi_slopes.requires_grad:
             raise AttentionStashError(f"{_FEATURE} needs ALiBi slopes that do not require grad in {self.stash.name}, "
                                       f"got learned ones, whose gradient flash-attn does not compute. Remove the "
@@ -876,8 +938,9 @@ class _CheckpointCall:
         if a.softmax_scale is None:
             # As flash-attn's autograd functions: from the head dimension before padding.
             a.softmax_scale = query.shape[-1]**(-0.5)
-        return self.attend(interface.ops if a.cu_seqlens_q is None else interface.varlen_ops, query, key, value, None,
-                           a)
+        # flash-attn 4's sinks are the node's fourth input, in the place of sdpa's mask, for their gradient.
+        return self.attend(interface.ops if a.cu_seqlens_q is None else interface.varlen_ops, query, key, value,
+                           a.learnable_sink, a)
 
     def _check_dropout(self, dropout_p):
         if dropout_p != 0.0:
@@ -993,13 +1056,21 @@ def _sdpa_of_current_call(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=Fals
 
 def _flash_of_current_call(interface, q, k, v, **options):
     # flash_attn_func, as Hugging Face calls it: query, key and value, then each option by name.
-    return _state.call.flash(interface, q, k, v, _FlashArguments(**options))
+    return _state.call.flash(interface, q, k, v, _flash_arguments(options))
 
 
 def _flash_varlen_of_current_call(interface, q, k, v, cu_seqlens_q, cu_seqlens_k, **options):
     # flash_attn_varlen_func, as Hugging Face calls it.
-    arguments = _FlashArguments(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, **options)
-    return _state.call.flash(interface, q, k, v, arguments)
+    return _state.call.flash(interface, q, k, v, _flash_arguments(options, cu_seqlens_q, cu_seqlens_k))
+
+
+def _flash_arguments(options, cu_seqlens_q=None, cu_seqlens_k=None):
+    """A flash call's _FlashArguments; arguments without a field kept apart, for unserved() to name where given."""
+    try:
+        return _FlashArguments(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, **options)
+    except TypeError:
+        others = {name: options.pop(name) for name in set(options).difference(_FLASH_FIELDS)}
+        return _FlashArguments(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, **options, others=others)
 
 
 def _module_view(module, **entries):
@@ -1126,10 +1197,13 @@ def _source(module):
             return (f"the Hub kernel {info.repo_id} at revision {info.revision} ({top})"
                     if info else f"the Hub kernel {metadata.name} version {metadata.version}, a local build ({top})")
     version = getattr(sys.modules.get(top), "__version__", None)
-    if version is None:
-        # A module without a version of its own (flash-attn 3's flash_attn_interface): its distribution's.
-        distributions = importlib.metadata.packages_distributions().get(top, ())
-        version = ", ".join(f"{name} {importlib.metadata.version(name)}" for name in distributions)
+    distributions = importlib.metadata.packages_distributions().get(top, ())
+    if version is None or len(distributions) > 1:
+        # A module without a version of its own (flash-attn 3's flash_attn_interface), or one of a package that several
+        # distributions install (flash_attn: flash-attn 2's and 4's): the distribution whose files hold it.
+        file = f"{module.__name__.replace('.', '/')}.py"
+        owners = [name for name in distributions if file in map(str, importlib.metadata.files(name) or ())]
+        version = ", ".join(f"{name} {importlib.metadata.version(name)}" for name in owners or distributions)
     return f"{top} {version}".rstrip()
 
 
@@ -1151,6 +1225,8 @@ def _load_flash(record):
     what, where = (text.format(name=name) for text in record.requires)
     try:
         (function, varlen_function, *_), _ = flash_utils.lazy_import_flash_attention(name)
+        if function is varlen_function is None:  # transformers 5.22 keeps a failed import as loaded, without them
+            raise ImportError("transformers' import of its flash functions failed before, and it hands out none")
     except Exception as error:
         kind = "an import error" if isinstance(error, ImportError) else f"an error ({type(error).__name__})"
         raise AttentionStashError(
@@ -1184,9 +1260,10 @@ def _load_flash(record):
     family, (names, differing) = min(((family, differences(family)) for family in _FLASH_FAMILIES),
                                      key=lambda found: len(found[1][1]))
     if differing:
+        known = " or ".join(other.release for other in _FLASH_FAMILIES if other.name == family.name)
         raise AttentionStashError(f"{_FEATURE} needs {family.name}'s interface as {family.release} has it for "
                                   f"attn_implementation=\"{name}\", got {_source(module)} ({module.__name__}) "
-                                  f"{'; '.join(differing)}. Install {family.release}, or load the model with "
+                                  f"{'; '.join(differing)}. Install {known}, or load the model with "
                                   f"attn_implementation=\"sdpa\".")
     interface = _FLASH_INTERFACES.get(name)
     if interface is None or (interface.function, interface.varlen_function,
@@ -1211,9 +1288,9 @@ def _traced_ops(functions):
 
 
 def _flash_layout(record, *shapes):
-    """The ops whose layout a flash call keeps: its family's (head-dimension padding, log-sum-exp)."""
-    interface = _FLASH_INTERFACES.get(record.name)
-    return (interface or _load_flash(record)).ops
+    """The ops whose layout a flash call keeps: its family's (head-dimension padding, log-sum-exp), as the functions
+    Hugging Face hands out now have it (not an earlier install's, whose functions may be gone)."""
+    return _load_flash(record).ops
 
 
 def _sdpa_layout(record, device, dtype, sequence_length, heads, key_heads, head_dim):
@@ -1269,6 +1346,8 @@ _IMPLEMENTATIONS = {
             "flash-attn 2", "the flash_attn package")),
         _Implementation("flash_attention_3", _FLASH_CALLS, "qk_head_dim", _flash_copy, _load_flash, _flash_layout, (
             "flash-attn 3", "its flash_attn_interface module, from flash-attn's hopper/ build")),
+        _Implementation("flash_attention_4", _FLASH_CALLS, "qk_head_dim", _flash_copy, _load_flash, _flash_layout, (
+            "flash-attn 4", "its flash_attn.cute package, from the flash-attn-4 pre-release")),
     ]
 }
 # A Hub kernel that Hugging Face loads through the kernels package, under its repository's name (and @revision):
@@ -1276,27 +1355,6 @@ _IMPLEMENTATIONS = {
 _HUB_KERNEL = _Implementation(None, _FLASH_CALLS, "qk_head_dim", _flash_copy, _load_flash, _flash_layout,
                               ("the Hub kernel {name}", "loaded by the kernels package"), True)
 _HUB_KERNEL_NAME = re.compile(r"[^/:@|\s]+/[^/:@|\s]+(@[^/:@|\s]+)?")
-
-# Flash implementations that Hugging Face serves and the stash refuses at install, with the reason.
-_REFUSED = dict.fromkeys(("flash_attention_4", "kernels-community/flash-attn4"), (
-    "flash-attn 4 (flash_attn.cute, from the flash-attn-4 pre-release or the Hub kernel "
-    "kernels-community/flash-attn4) is not served yet: its builds' kernel functions take other arguments and return "
-    "other outputs from one beta to the next, and the stash has no replay of them checked against their own backward"))
-
-
-def _flash4_seen(implementation):
-    """The flash-attn 4 build that ``implementation`` loads, with its version: the flash-attn-4 package, which
-    transformers prefers for "flash_attention_4" where it is installed, else the Hub build at the revision named or
-    at the version transformers asks for."""
-    name, _, revision = implementation.partition("@")
-    if name == "flash_attention_4":
-        try:
-            return f"the flash-attn-4 package {importlib.metadata.version('flash-attn-4')}"
-        except importlib.metadata.PackageNotFoundError:
-            pass
-    from transformers.integrations.hub_kernels import get_attn_kernel_version
-    seen = revision or f"version {get_attn_kernel_version('kernels-community/flash-attn4')}"
-    return f"the Hub build kernels-community/flash-attn4 at {seen}"
 
 
 def _implementation(name):
@@ -1914,21 +1972,15 @@ class _LayerPlan:
 
     def served(self, model):
         """The implementation's record; raises for one the stash does not serve."""
-        refused = _REFUSED.get(str(self.implementation).partition("@")[0])
-        if refused is not None:
-            raise AttentionStashError(f'{_FEATURE} cannot serve attn_implementation "{self.implementation}" of '
-                                      f'{self.name}, {_flash4_seen(self.implementation)}: {refused}. Load the model '
-                                      f'with attn_implementation='
-                                      f'"flash_attention_3" (flash-attn 3, or its Hub kernel), "flash_attention_2" or '
-                                      f'"sdpa", or train it without the stash.')
         record = _implementation(self.implementation)
         if record is None:
-            raise AttentionStashError(f'{_FEATURE} needs a Hugging Face model with attn_implementation "sdpa", '
-                                      f'"flash_attention_2", "flash_attention_3" or a Hub kernel with flash-attn\'s '
-                                      f'interface ("kernels-community/flash-attn2"), got {self.implementation!r} on '
-                                      f'{type(model).__name__} ({self.name}). Load it with from_pretrained(..., '
-                                      f'attn_implementation="sdpa") or one of the others, and pass the model itself '
-                                      f'(engine.module of a DeepSpeed engine).')
+            raise AttentionStashError(
+                f'{_FEATURE} needs a Hugging Face model with attn_implementation "sdpa", '
+                f'"flash_attention_2", "flash_attention_3", "flash_attention_4" or a Hub kernel with flash-attn\'s '
+                f'interface ("kernels-community/flash-attn2"), got {self.implementation!r} on '
+                f'{type(model).__name__} ({self.name}). Load it with from_pretrained(..., '
+                f'attn_implementation="sdpa") or one of the others, and pass the model itself '
+                f'(engine.module of a DeepSpeed engine).')
         return record
 
     def geometry(self):

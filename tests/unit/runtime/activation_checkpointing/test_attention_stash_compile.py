@@ -373,6 +373,101 @@ def test_a_compiled_flash_step_saves_the_stashed_layers_attention(install, monke
     assert handle.compiled_layers == handle.layers and handle.recomputes_served == 0
 
 
+# A packed batch's documents: one row of BATCH x SEQUENCE tokens.
+DOCUMENTS = (24, 40)
+
+
+def packed_inputs(cu_seq_lens):
+    """One row of documents, as transformers' DataCollatorWithFlattening makes it: positions restart per document and
+    no label crosses a boundary; with ``cu_seq_lens``, also the flash kwargs its return_flash_attn_kwargs=True adds
+    (cu_seq_lens_q and cu_seq_lens_k, max_length_q and max_length_k)."""
+    ids = batch_ids(batch=1, sequence=sum(DOCUMENTS))
+    labels = ids.clone()
+    labels[0, DOCUMENTS[0]] = -100
+    batch = dict(input_ids=ids,
+                 position_ids=torch.cat([torch.arange(length) for length in DOCUMENTS]).unsqueeze(0),
+                 labels=labels)
+    if cu_seq_lens:
+        bounds = torch.tensor([0, DOCUMENTS[0], sum(DOCUMENTS)], dtype=torch.int32)
+        batch.update(cu_seq_lens_q=bounds,
+                     cu_seq_lens_k=bounds.clone(),
+                     max_length_q=max(DOCUMENTS),
+                     max_length_k=max(DOCUMENTS))
+    return batch
+
+
+# (implementation, its varlen forward kernel function's op name in the forward op's namespace): flash-attn 3's
+# autograd functions call one forward op for both functions.
+PACKED_CASES = [("flash_attention_2", "_flash_attn_varlen_forward"),
+                ("kernels-community/flash-attn2", "_flash_attn_varlen_forward"),
+                ("kernels-community/flash-attn3", "_flash_attn_forward")]
+
+
+@pytest.mark.parametrize("implementation, varlen_name",
+                         PACKED_CASES,
+                         ids=[implementation for implementation, _ in PACKED_CASES])
+@pytest.mark.usefixtures("traceable_kernels")
+def test_a_compiled_flash_step_saves_a_packed_batchs_varlen_attention(install, monkeypatch, tmp_path_factory,
+                                                                      implementation, varlen_name):
+    """A packed batch with the collator's cu_seq_lens and max lengths (DataCollatorWithFlattening with
+    return_flash_attn_kwargs=True), which Hugging Face passes to flash_attn_varlen_func as they are: dynamo traces it
+    into the layers' graphs, the varlen forward op with them. Compiled plain against compiled stashed, as for a plain
+    batch: the stashed layers' varlen forward op saved, not run in the backward graph; losses and gradients bitwise."""
+    op = use_flash(monkeypatch, tmp_path_factory, implementation)
+    varlen = getattr(getattr(torch.ops, op.namespace), varlen_name).default
+    batch, stashed = packed_inputs(cu_seq_lens=True), NUM_LAYERS - 1
+    plain_losses, plain_grads, plain = compiled_steps(flash_model(implementation), batch)
+    model = flash_model(implementation)
+    handle = install(model, stashed)
+    losses, grads, graphs = compiled_steps(model, batch)
+    assert losses[0] == plain_losses[0] and losses[1] == losses[0] and plain_losses[1] == plain_losses[0]
+    assert_same_grads(grads, plain_grads)
+    # The batch reached flash_attn_varlen_func in every layer, traced: its op in the forward graphs, flash-attn 2's
+    # plain forward op nowhere.
+    assert attention_forwards(plain.forward, varlen) == attention_forwards(graphs.forward, varlen) == NUM_LAYERS
+    assert op is varlen or attention_forwards(plain.forward + graphs.forward + graphs.backward, op) == 0
+    assert attention_forwards(plain.backward, varlen) == NUM_LAYERS
+    assert attention_forwards(graphs.backward, varlen) == NUM_LAYERS - stashed
+    assert matmuls(graphs.backward) == matmuls(plain.backward) > 0
+    assert (len(graphs.forward), len(graphs.backward)) == (len(plain.forward), len(plain.backward))
+    assert handle.compiled_layers == handle.layers and handle.recomputes_served == 0 and handle.num_kept == 0
+
+
+@pytest.mark.parametrize("captured", [False, True], ids=["defaults", "capture_scalar_outputs"])
+@pytest.mark.usefixtures("traceable_kernels")
+def test_a_batch_packed_by_position_ids_alone_breaks_the_graph_and_is_refused(install, monkeypatch, tmp_path_factory,
+                                                                              captured):
+    """A packed batch with position_ids alone (no attention mask, no cu_seq_lens): Hugging Face's
+    _flash_attention_forward tests for packing with ``if _is_packed_sequence(position_ids, batch_size):``
+    (transformers/modeling_flash_attention_utils.py), a branch on a tensor's value, where dynamo breaks the graph
+    ("Data-dependent branching": attempted to jump with TensorVariable()) before any kernel function is called, and
+    runs the layer's checkpoint eagerly: compiled plain runs no attention in its graphs, and the stash refuses the
+    eager checkpoint by name. Not traceable with capture_scalar_outputs and capture_dynamic_output_shape_ops either
+    (what .item() of the max length and nonzero() further on would need): the branch comes first, and breaks alike.
+    The reason is read from dynamo's graph-break counters."""
+    from torch._dynamo.utils import counters
+
+    from attention_stash_helpers import live_checkpoint_calls
+
+    # torch._dynamo.config.patch rather than monkeypatch, whose undo deletes a config module's setting.
+    scalars = torch._dynamo.config.patch(capture_scalar_outputs=captured, capture_dynamic_output_shape_ops=captured)
+    varlen = torch.ops.flash_attn._flash_attn_varlen_forward.default
+    use_flash(monkeypatch, tmp_path_factory, "flash_attention_2")
+    batch = packed_inputs(cu_seq_lens=False)
+    counters.clear()
+    with scalars:
+        _, _, plain = compiled_steps(flash_model("flash_attention_2"), batch, steps=1)
+    assert any(reason.startswith("Data-dependent branching") for reason in counters["graph_break"])
+    assert attention_forwards(plain.forward + plain.backward, varlen) == 0
+    model = flash_model("flash_attention_2")
+    handle = install(model, NUM_LAYERS)
+    with scalars, pytest.raises((AttentionStashError, torch._dynamo.exc.BackendCompilerFailed)) as raised:
+        compiled_steps(model, batch, steps=1)
+    error = getattr(raised.value, "inner_exception", raised.value)
+    assert isinstance(error, AttentionStashError) and "eagerly after a graph break" in str(error)
+    assert handle.compiled_layers == () and handle.num_kept == 0 and live_checkpoint_calls() == []
+
+
 @pytest.mark.parametrize("implementation, source", [
     ("flash_attention_3", "flash-attn 3's interface from flash_attn_interface"),
     ("kernels-community/vllm-flash-attn3", "vLLM's flash-attn 3's interface from the Hub kernel "),
@@ -530,7 +625,7 @@ def test_the_trainer_with_torch_compile_saves_the_stashed_layers_attention(insta
 
 
 @pytest.mark.usefixtures("traceable_kernels")
-def test_an_inductor_step_saves_the_stashed_layers_attention(install, monkeypatch):
+def test_an_inductor_step_saves_the_stashed_layers_attention(install):
     """Inductor (its C++ kernels on CPU), two stashed layers of three, against the same step run eagerly: the backward
     graph Inductor compiles runs the attention forward of the unstashed layer alone, and loss and gradients agree with
     eager within float32 rounding, as Inductor fuses and orders the surrounding arithmetic its own way. One compile:
@@ -543,9 +638,10 @@ def test_an_inductor_step_saves_the_stashed_layers_attention(install, monkeypatc
         (graphs.backward if kwargs.get("is_backward") else graphs.forward).append(graph)
         return compile_fx_inner(graph, inputs, **kwargs)
 
-    # Inductor's caches would hand back graphs compiled by an earlier run, without calling the inner compile.
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
-    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
+    # Inductor's caches would hand back graphs compiled by an earlier run, without calling the inner compile. Set with
+    # the configs' own patch: monkeypatch's undo deletes a torch config setting, which breaks later compiles.
+    uncached = (torch._inductor.config.patch(fx_graph_cache=False),
+                torch._functorch.config.patch(enable_autograd_cache=False))
     batch, stashed = inputs(False), NUM_LAYERS - 1
 
     eager = checkpointed(llama_model(), use_reentrant=False)
@@ -555,11 +651,12 @@ def test_an_inductor_step_saves_the_stashed_layers_attention(install, monkeypatc
     handle = install(model, stashed)
     torch._dynamo.reset()
     try:
-        compiled = torch.compile(model,
-                                 backend=lambda graph, inputs: compile_fx(graph, inputs, inner_compile=inner),
-                                 dynamic=False)
-        loss = compiled(**batch).loss
-        loss.backward()
+        with uncached[0], uncached[1]:
+            compiled = torch.compile(model,
+                                     backend=lambda graph, inputs: compile_fx(graph, inputs, inner_compile=inner),
+                                     dynamic=False)
+            loss = compiled(**batch).loss
+            loss.backward()
     finally:
         torch._dynamo.reset()
     # Measured: the losses equal, the gradients apart by 3e-8 at most (float32's epsilon is 1.2e-7).

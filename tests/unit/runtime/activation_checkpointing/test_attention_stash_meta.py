@@ -226,3 +226,30 @@ def test_a_mask_preparation_without_the_kernel_call_is_refused():
                        r"the kernel in torch .*, got another \(torch.bfloat16 \(1, 1, 8, 8\) against None \(\)\)"):
         attention_stash._check_mask_preparation(ops, SDPBackend.CUDNN_ATTENTION.value, bias, query, query, query, mask,
                                                 False, None, False)
+
+
+@MODES
+@pytest.mark.parametrize("backend", [None, *BACKENDS], ids=["pytorchs_choice", *BACKENDS])
+def test_an_sdpa_call_on_a_device_neither_cpu_nor_cuda_is_refused(install, monkeypatch, backend, use_reentrant):
+    """The meta device without the CUDA table's entries: a device that is neither CPU nor CUDA, whose backend the
+    table has no entry for. Its first stashed attention call is refused, naming the backend PyTorch chose and the
+    device; no fused kernel runs, CUDA's entry for that backend neither, and nothing is kept. Once with PyTorch's own
+    answer on meta (the math backend), and once for each fused backend of the table's CUDA entries, answered as a
+    device whose PyTorch picks it would (XPU, say): the choice alone must not pick CUDA's kernel."""
+    if backend is not None:
+        monkeypatch.setattr(torch, "_fused_sdp_choice", _pytorch_choice(BACKENDS[backend][0]))
+    # Four key/value heads: each fused backend takes the unmasked call.
+    model = checkpointed(_meta_model("llama_full_heads"), use_reentrant=use_reentrant)
+    handle = install(model, MODELS["llama_full_heads"][3])
+    query = torch.empty(BATCH, 4, SEQUENCE, 16, device="meta", dtype=DTYPE, requires_grad=True)
+    chosen = SDPBackend(torch._fused_sdp_choice(query, query, query)).name
+    assert chosen == ("MATH" if backend is None else BACKENDS[backend][0].name)
+    fused = {f"{ops.op}.default" for ops in attention_stash._BACKENDS.values()}
+    with CountOps(lambda func: func.__name__ if func.__name__ in fused else None) as kernels, pytest.raises(
+            AttentionStashError,
+            match=r"^attention stash needs PyTorch to choose a fused SDPA backend it can replay: .*; got "
+            rf"{chosen} on meta\. The math backend and any other have no exact replay\."):
+        _layers_forward(model, None)
+    assert kernels.calls == {}
+    assert (handle.num_kept, handle.kept_bytes, handle.recomputes_served) == (0, 0, 0)
+    assert live_checkpoint_calls() == []
