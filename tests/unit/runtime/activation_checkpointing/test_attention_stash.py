@@ -337,7 +337,7 @@ def test_rejects_other_attention_implementations():
     with pytest.raises(
             AttentionStashError,
             match='needs a Hugging Face model with attn_implementation "sdpa", "flash_attention_2", '
-            '"flash_attention_3" or a Hub kernel with flash-attn\'s interface \\("kernels-community/flash-attn2"'
+            '"flash_attention_3", "flash_attention_4" or a Hub kernel with flash-attn\'s interface \\("kernels-community/flash-attn2"'
             '\\), got \'eager\' on MixtralForCausalLM'):
         install_attention_stash(mixtral_model(attn_implementation="eager"), 1)
 
