@@ -4,17 +4,21 @@
 """Run by test_attention_stash_ulysses_flash.py under torchrun with two ranks over gloo: the stash under DeepSpeed's
 Ulysses sequence parallelism (ALST, UlyssesSPAttentionHF.register_with_transformers) with each flash implementation
 given after the first argument as its core, one after the other: "flash_attention_2" (flash-attn 2's Python layer),
-"flash_attention_3" (flash-attn 3's) or a Hub kernel of attention_stash_flash3.HUB_BUILDS (a local repository), over
-the CPU stand-ins of attention_stash_flash.py and attention_stash_flash3.py; each implementation's setup is undone
-before the next one's.
+"flash_attention_3" (flash-attn 3's), a Hub kernel of attention_stash_flash3.HUB_BUILDS (a local repository) or
+"flash_attention_4" (flash-attn 4's interface at its newest release read, 4.0.0b40), over the CPU stand-ins of
+attention_stash_flash.py and attention_stash_flash3.py and the test double of attention_stash_flash4.py; each
+implementation's setup is undone before the next one's.
 
-For each implementation, each checkpoint mode and each batch kind, a tiny Llama trains one step on each rank's shard with ALST alone, which
-is the reference; then with the stash on all its layers, installed before ALST registers and with ALST registered
-first. The plain batch (two samples, position_ids counting from 0) runs flash_attn_func; the packed one (one sample of
-two documents, position_ids restarting at the boundary, which ALST gathers whole) runs flash_attn_varlen_func. Each
+For each implementation, each checkpoint mode and each batch kind, a tiny Llama (float32; bfloat16 on flash-attn 4,
+which takes half precision alone) trains one step on each rank's shard with ALST alone, which is the reference; then
+with the stash on all its layers, installed before ALST registers and with ALST registered first. The plain batch (two
+samples, position_ids counting from 0) runs flash_attn_func; the packed one (one sample of two documents, position_ids
+restarting at the boundary, which ALST gathers whole) runs flash_attn_varlen_func. The forward kernels are counted as
+the ops they are, and flash-attn 4's as the runs of its kernel function ``_flash_attn_fwd``, a Python function. Each
 rank writes its report, by implementation, as JSON to ``rank<N>.json`` in the folder given as the first argument.
 """
 
+import functools
 import gc
 import json
 import os
@@ -36,7 +40,9 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: E402
 
 from attention_stash_flash import use_flash_attention_2  # noqa: E402
 from attention_stash_flash3 import use_flash_attention_3, use_hub_kernel  # noqa: E402
-from attention_stash_helpers import NUM_LAYERS, assert_stock_process, batch_ids, checkpointed  # noqa: E402
+from attention_stash_flash4 import use_flash_attn_4  # noqa: E402
+from attention_stash_helpers import NUM_LAYERS, assert_stock_process, batch_ids, bound_arguments  # noqa: E402
+from attention_stash_helpers import checkpointed  # noqa: E402
 from attention_stash_helpers import live_tensors, llama_model, param_grads, tensors  # noqa: E402
 from deepspeed.runtime.activation_checkpointing import attention_stash  # noqa: E402
 from deepspeed.runtime.sequence_parallel import parallel_state_sp as mpu  # noqa: E402
@@ -52,6 +58,12 @@ FORWARD_OPS = ("_flash_attn_forward", "_flash_attn_varlen_forward", "fwd", "varl
 
 # The namespaces of those ops: flash-attn 2's and 3's, and each Hub build's, which ends with a hash of the build.
 NAMESPACES = ("flash_attn", "flash_attn_3", "_flash_attn2_", "_flash_attn3_", "_vllm_flash_attn3_")
+
+# The model's dtype by implementation, float32 for the others (their stand-ins take it): flash-attn 4 asserts half
+# precision (its double does not), as the single-process tests of test_attention_stash_flash4.py run it.
+DTYPES = {"flash_attention_4": torch.bfloat16}
+# The FlashForwardCalls counting now, innermost last: flash-attn 4's forward kernel notes its runs in the last one.
+_COUNTING = []
 
 
 def forward_op(func, args, kwargs):
@@ -80,7 +92,8 @@ def batches():
 class FlashForwardCalls(TorchDispatchMode):
     """Counts the calls of flash-attn's two forward ops, by batch kind ("dense", "varlen"), and notes the query's
     cu_seqlens of each varlen call and the namespaces of the ops: one process runs several implementations, each of
-    which must run its own kernels."""
+    which must run its own kernels. flash-attn 4's forward kernel, not an op, notes its runs itself
+    (count_flash_attn_4_forwards) in the one counting last."""
 
     def __init__(self):
         super().__init__()
@@ -88,30 +101,60 @@ class FlashForwardCalls(TorchDispatchMode):
         self.cu_seqlens = []
         self.namespaces = set()
 
+    def __enter__(self):
+        _COUNTING.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exception):
+        _COUNTING.remove(self)
+        return super().__exit__(*exception)
+
+    def note(self, kind, cu_seqlens, namespace):
+        """One forward kernel run: its batch kind, the query's cu_seqlens (None for a dense call), its namespace."""
+        self.calls[kind] += 1
+        self.namespaces.add(namespace)
+        if cu_seqlens is not None:
+            self.cu_seqlens.append(cu_seqlens.tolist())
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         found = forward_op(func, args, kwargs or {})
         if found is not None:
-            kind, cu_seqlens, namespace = found
-            self.calls[kind] += 1
-            self.namespaces.add(namespace)
-            if cu_seqlens is not None:
-                self.cu_seqlens.append(cu_seqlens.tolist())
+            self.note(*found)
         return func(*args, **(kwargs or {}))
 
 
+def count_flash_attn_4_forwards(interface, monkeypatch):
+    """flash-attn 4's forward kernel function, ``_flash_attn_fwd`` of the double's ``interface`` module, a Python
+    function that no dispatch mode sees as an op, replaced until ``monkeypatch`` is undone by one that notes each run
+    in the FlashForwardCalls counting as forward_op describes an op's, its namespace the interface's package
+    ("flash_attn.cute"). Its autograd functions and the stash look the function up in the module when they run."""
+    function = interface._flash_attn_fwd
+
+    @functools.wraps(function)
+    def counted(*args, **kwargs):
+        cu_seqlens = bound_arguments(function, args, kwargs)["cu_seqlens_q"]
+        for counting in _COUNTING[-1:]:
+            counting.note("dense" if cu_seqlens is None else "varlen", cu_seqlens, interface.__package__)
+        return function(*args, **kwargs)
+
+    monkeypatch.setattr(interface, "_flash_attn_fwd", counted)
+
+
 def use_flash(flash, folder, rank, monkeypatch):
-    """What the tests' fixtures do for ``flash`` under pytest, until ``monkeypatch`` is undone (each rank builds its own
-    copy of the Hub kernel)."""
+    """What the tests' fixtures do for ``flash`` under pytest, until ``monkeypatch`` is undone (each rank builds its
+    own copy of the Hub kernel), and flash-attn 4's forward kernel counted."""
     if flash == "flash_attention_2":
         use_flash_attention_2(monkeypatch)
     elif flash == "flash_attention_3":
         use_flash_attention_3(monkeypatch)
+    elif flash == "flash_attention_4":
+        count_flash_attn_4_forwards(use_flash_attn_4(monkeypatch, "4.0.0b40"), monkeypatch)
     else:
         use_hub_kernel(monkeypatch, os.path.join(folder, f"kernel{rank}"), flash)
 
 
 def flash_llama(flash, use_reentrant):
-    model = checkpointed(llama_model(), use_reentrant=use_reentrant)
+    model = checkpointed(llama_model(DTYPES.get(flash, torch.float32)), use_reentrant=use_reentrant)
     model.config._attn_implementation = flash
     return model
 
@@ -138,8 +181,8 @@ def shard(tensor, rank):
 
 
 def step(model, batch, rank):
-    """One training step on this rank's shard: the loss, the gradients, flash-attn's forward ops called in the forward
-    and in the backward (the recomputes), and the cu_seqlens of the forward's varlen calls."""
+    """One training step on this rank's shard: the loss, the gradients, flash-attn's forward kernels called in the
+    forward and in the backward (the recomputes), and the cu_seqlens of the forward's varlen calls."""
     _, ids, positions = batch
     model.zero_grad(set_to_none=True)
     with FlashForwardCalls() as forward:
