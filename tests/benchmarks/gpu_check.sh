@@ -23,22 +23,33 @@
 #      (the step fails where one was not, or where it offloaded nothing or took back less), and the two expectations
 #      judged by the noise rule: the stash with offload peaks within one layer's kept bytes of the offload alone, and
 #      steps within 2% of the stash alone;
-#   4. the report, dated, with GPU, driver, torch, CUDA, cuDNN and transformers versions (gpu_check_report.py).
+#   4. flash-attn 4 (run before leg 2): where the wheel folder holds a flash_attn_4-*.whl, the newest one and the
+#      wheels there of its dependencies (gpu_check_report.py flash4-wheels; none of them goes into the venv, where
+#      the suite's CPU double of flash-attn 4 runs) are installed into their own target folder, first on PYTHONPATH
+#      for this step alone (install-flash4, over leg 2's transformers where it installed), and
+#      test_attention_stash_flash4_cuda.py runs (flash4): the real flash-attn 4's stock and stashed steps, bitwise,
+#      with its kernel functions' calls counted; a test that cannot run there fails instead of skipping. Without such
+#      a wheel the step is reported as skipped, with the reason, which is not a failure;
+#   5. the report, dated, with GPU, driver, torch, CUDA, cuDNN and transformers versions (gpu_check_report.py).
 # Each step runs under its own timeout inside the whole run's budget; one that fails or times out is reported as a
-# failure and the next one runs. Exit status: 0 when every step passed, 1 when one did not, 2 when no report came.
+# failure and the next one runs. Exit status: 0 when every step passed (or was skipped for a reason: "skipped: ..."),
+# 1 when one did not, 2 when no report came.
 #
 # Usage, with the device tool (the wheels must travel: ../shared is not there on the device machine):
 #   here, in the checkout:  rm -rf .whl && cp -r ../shared/wheels .whl      (.whl/ is in .gitignore)
+#                           and, for step 4, a flash-attn-4 wheel and those of its dependencies the image lacks
 #   device run:             command "bash tests/benchmarks/gpu_check.sh", carry [".whl"], timeout_s 600
 #   RESULTS.md, gpu_check.log, junit-*.xml, bench.json, bench.png, op_figures.json and long.json come back from $OUT
-#   (the device tool brings 8 files back at most: the offload leg's JSON stays in the work folder, its figures are in
-#   RESULTS.md). The steps' caps add up to more than the run's budget: the ones that come last (leg 2's suite) get
-#   what is left; where that cuts them short, run again with the benchmark steps done, or raise GPU_CHECK_BUDGET.
-# Before a device is spent on it, on any machine (CPU, tiny shapes, about 45 s on 2 idle cores; the CI test runs it):
+#   (the device tool brings 8 files back at most: the offload leg's JSON and flash-attn 4's junit XML stay in the
+#   work folder, their figures and outcomes are in RESULTS.md). The steps' caps add up to more than the run's budget:
+#   the ones that come last (leg 2's suite) get what is left; where that cuts them short, run again with the benchmark
+#   steps done, or raise GPU_CHECK_BUDGET.
+# Before a device is spent on it, on any machine (CPU, tiny shapes, about 50 s on 2 idle cores; the CI test runs it):
 #   bash tests/benchmarks/gpu_check.sh --dry-run
 # The dry run runs every step the same way; it swaps only the device (CPU), the shapes (tiny), the tests (a few, by
-# -k, the CPU replay case among them) and the wheel folder: one it builds of this project's own wheel, plus
-# transformers' pure-Python wheel when a wheel folder is at hand, since the H200's cp312 wheels do not install here.
+# -k, the CPU replay case among them; for step 4, the CPU double's flash-attn 4 steps at 4.0.0b40, installing no
+# flash-attn 4) and the wheel folder: one it builds of this project's own wheel, plus transformers' pure-Python wheel
+# when a wheel folder is at hand, since the H200's cp312 wheels do not install here.
 #
 # Environment: OUT (default: a new temporary folder), GPU_CHECK_WHEELS (the wheel folder; default .whl, else
 # ../shared/wheels), GPU_CHECK_WORK (the venv, target folder and logs; default a temporary folder, removed at exit),
@@ -133,6 +144,13 @@ run_step() {
     [[ $status == passed ]]
 }
 
+# skip_step NAME REASON: a step not run for REASON, which is no failure: its status "skipped: REASON".
+skip_step() {
+    printf 'not run: %s\n' "$2" >"$WORK/logs/$1.log"
+    printf '%s\tskipped: %s\t-\t0\t0\t-\n' "$1" "$2" >>"$WORK/steps.tsv"
+    echo "[gpu_check] $1: skipped: $2"
+}
+
 if [[ $MODE == gpu ]]; then
     DEVICE=cuda
     SHAPES=(--preset qwen3-30b-a3b --device cuda --dtype bfloat16 --sequence 4096 --micro-batch 4)
@@ -145,6 +163,9 @@ if [[ $MODE == gpu ]]; then
     # Not this check's own dry-run test: it would run the dry run inside each leg.
     SUITE=(tests/unit/runtime/activation_checkpointing
         --ignore tests/unit/runtime/activation_checkpointing/test_attention_stash_gpu_check.py)
+    # The real flash-attn 4's tests; where its wheel is at hand, one that would skip fails (see the file).
+    FLASH4_TESTS=(tests/unit/runtime/activation_checkpointing/test_attention_stash_flash4_cuda.py)
+    FLASH4_ENV=(ATTENTION_STASH_FLASH_ATTN_4=required)
 else
     DEVICE=cpu
     SHAPES=(--preset cpu --device cpu --dtype float32 --layers 2 --sequence 64 --micro-batch 1 --experts 2 --warmup 1
@@ -157,6 +178,10 @@ else
     SUITE=(tests/unit/runtime/activation_checkpointing/test_attention_stash.py
         tests/unit/runtime/activation_checkpointing/test_attention_stash_from_pretrained.py
         -k "replay_matches_autograd or cuda or kept_bytes_are_one_output or from_pretrained")
+    # The CPU double's flash-attn 4 steps at its newest release: Llama on a plain and a packed batch, both modes.
+    FLASH4_TESTS=(tests/unit/runtime/activation_checkpointing/test_attention_stash_flash4.py
+        -k "test_a_step_is_stock and 4.0.0b40 and llama and (plain or packed_position_ids)")
+    FLASH4_ENV=()
 fi
 
 # --- the Python: what the steps import, checked before any of them runs --------------------------------------------
@@ -220,12 +245,20 @@ else
     meta wheels_note "$note"
 fi
 meta wheels "$WHEELS"
+# Step 4's wheels: the newest flash-attn-4 wheel and its dependencies' in the folder, kept out of the venv.
+FLASH4_WHEELS=()
+if [[ $MODE == gpu ]] && compgen -G "$WHEELS/flash_attn_4-*.whl" >/dev/null; then
+    mapfile -t FLASH4_WHEELS < <("$PY" "$HELPER" flash4-wheels "$WHEELS" 2>/dev/null)
+fi
 BASE_WHEELS=() LEG2_WHEELS=()
 if [[ -d $WHEELS ]]; then
-    mapfile -t BASE_WHEELS < <(find "$WHEELS" -maxdepth 1 -name '*.whl' ! -name 'transformers-*' ! -name 'regex-*' |
-        sort)
+    mapfile -t BASE_WHEELS < <(find "$WHEELS" -maxdepth 1 -name '*.whl' ! -name 'transformers-*' ! -name 'regex-*' \
+        ! -name 'flash_attn_4-*' | sort)
     mapfile -t LEG2_WHEELS < <(find "$WHEELS" -maxdepth 1 \( -name 'transformers-*.whl' -o -name 'regex-*.whl' \) |
         sort)
+fi
+if ((${#BASE_WHEELS[@]} && ${#FLASH4_WHEELS[@]})); then
+    mapfile -t BASE_WHEELS < <(printf '%s\n' "${BASE_WHEELS[@]}" | grep -vxF -f <(printf '%s\n' "${FLASH4_WHEELS[@]}"))
 fi
 
 # --- the offline install: a fresh venv for DeepSpeed and its missing dependencies, a target folder for leg 2 ---------
@@ -276,13 +309,11 @@ fi
 run_step suite-image 170 env PYTHONPATH="$BASE_PATH" "$VPY" "${PYTEST[@]}" --junitxml "$OUT/junit-image.xml"
 
 # --- 2. the benchmark's preset, all arms, under leg 2's transformers where it installed ------------------------------
-BENCH_PATH=$BASE_PATH
+BENCH_PATH=$BASE_PATH BENCH_NOTE="under leg 1's transformers (leg 2's did not install)"
 if ((LEG2_OK == 0)); then
-    BENCH_PATH=$LEG2_PATH
-    meta bench_note "under leg 2's transformers"
-else
-    meta bench_note "under leg 1's transformers (leg 2's did not install)"
+    BENCH_PATH=$LEG2_PATH BENCH_NOTE="under leg 2's transformers"
 fi
+meta bench_note "$BENCH_NOTE"
 PLOT=()
 if env PYTHONPATH="$BENCH_PATH" "$VPY" -c "import matplotlib" 2>/dev/null; then
     PLOT=(--plot "$OUT/bench.png")
@@ -317,13 +348,38 @@ for step in "${OFFLOAD_STEPS[@]}"; do
         tests/benchmarks/attention_stash_bench.py "${OFFLOAD[@]}" --sequence "$n" --json "$WORK/offload-$n.json"
 done
 
+# --- 4. flash-attn 4: the real one's tests, where its wheel is at hand, with its wheels in a target folder first on
+# PYTHONPATH for this step alone, over leg 2's transformers where it installed; the CPU double's in the dry run. The
+# junit XML stays in the work folder (the device tool brings 8 files back at most); the report gives each outcome.
+FLASH4_TARGET=$WORK/site-flash4
+FLASH4_PYTEST=(-m pytest "${FLASH4_TESTS[@]}" -p no:cacheprovider -p no:randomly -v -rfEs --junitxml
+    "$WORK/junit-flash4.xml")
+if [[ $MODE == dry-run ]]; then
+    meta flash4_note "dry run: the CPU double's flash-attn 4 tests, no flash-attn 4 installed; $BENCH_NOTE"
+    run_step flash4 60 env PYTHONPATH="$BENCH_PATH" "$VPY" "${FLASH4_PYTEST[@]}"
+elif ((${#FLASH4_WHEELS[@]})); then
+    meta flash4_note "$(basename -a "${FLASH4_WHEELS[@]}" | paste -sd ' ') in $FLASH4_TARGET, first on PYTHONPATH \
+for this step alone; $BENCH_NOTE"
+    if run_step install-flash4 90 "$VPY" -m pip install --no-index --no-deps --no-compile --target "$FLASH4_TARGET" \
+        --find-links "$WHEELS" "${FLASH4_WHEELS[@]}"; then
+        run_step flash4 120 env PYTHONPATH="$FLASH4_TARGET${BENCH_PATH:+:$BENCH_PATH}" "${FLASH4_ENV[@]}" "$VPY" \
+            "${FLASH4_PYTEST[@]}"
+    fi
+elif compgen -G "$WHEELS/flash_attn_4-*.whl" >/dev/null; then
+    meta flash4_note "the wheel folder's flash-attn-4 wheels could not be listed (see install-flash4)"
+    run_step install-flash4 30 "$PY" "$HELPER" flash4-wheels "$WHEELS"
+else
+    meta flash4_note "no flash_attn_4-*.whl in the wheel folder: the real flash-attn 4 was not tested"
+    skip_step flash4 "no flash_attn_4-*.whl in the wheel folder $WHEELS"
+fi
+
 # --- 1, leg 2: the suite under transformers 5.24.0, after the figures that nothing else gives: where the time runs
 # short, its GPU tests, which come first in the suite's order, have run.
 run_step suite-wheel 150 env PYTHONPATH="$LEG2_PATH" "$VPY" "${PYTEST[@]}" --junitxml "$OUT/junit-wheel.xml"
 
-# --- 4. the report ---------------------------------------------------------------------------------------------------
+# --- 5. the report ---------------------------------------------------------------------------------------------------
 STATUS=0
-cut -f2 "$WORK/steps.tsv" | grep -qvx passed && STATUS=1
+[[ -n $(cut -f2 "$WORK/steps.tsv" | grep -vx passed | grep -v '^skipped: ') ]] && STATUS=1
 timeout -k 10 "$REPORT_RESERVE" env PYTHONPATH="$BASE_PATH" "$VPY" "$HELPER" report --work "$WORK" --out "$OUT" \
     >"$WORK/logs/report.log" 2>&1
 if (($? != 0)) || [[ ! -s $OUT/RESULTS.md ]]; then

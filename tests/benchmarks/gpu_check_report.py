@@ -5,12 +5,13 @@
 
     python gpu_check_report.py venv DIR                   # a fresh venv that sees this interpreter's packages
     python gpu_check_report.py probe --out P.json [--venv DIR] [--target DIR] [--device cuda] [WHEEL ...]
+    python gpu_check_report.py flash4-wheels DIR          # DIR's newest flash-attn-4 wheel and its dependencies' there
     python gpu_check_report.py report --work DIR --out DIR
 
 ``report`` reads what the steps left in the work folder (meta.tsv, steps.tsv, the probes, the logs) and in the output
 folder (the junit XML of each suite leg, the benchmark's and the op-level figures' JSON) and writes RESULTS.md there.
 A step that failed or timed out is reported as such, with the end of its log, and every section that lacks its input
-says which step it waited for.
+says which step it waited for; one skipped for a reason (its status "skipped: REASON") is not a failure.
 """
 
 import argparse
@@ -23,6 +24,7 @@ import sys
 import sysconfig
 import venv
 import xml.etree.ElementTree as ElementTree
+import zipfile
 
 # The GPU tests: every CUDA case, the replay against autograd on each backend (its CPU case too) and the AutoEP step,
 # which runs on CUDA where there is one. Matched against the test's name with its parameters.
@@ -33,6 +35,8 @@ H100_FA3_FORWARD_MS = 0.95
 PRESET_PLANNER_BYTES = 136_314_880
 LEGS = (("image", "the image's transformers"), ("wheel", "transformers from the wheel folder"))
 LOG_TAIL_LINES = 40
+# A step's status when it was skipped for a reason, which is not a failure ("skipped (out of time)" is one).
+SKIPPED = "skipped: "
 
 
 def make_venv(directory):
@@ -131,6 +135,41 @@ def probe(args):
     if broken:
         print(f"does not import: {', '.join(broken)}", file=sys.stderr)
     return 1 if missing or broken else 0
+
+
+def flash4_wheels(folder):
+    """The newest flash-attn-4 wheel in ``folder`` and, after it, the wheels there of its dependencies, as pip would
+    pick them from the folder alone: each Requires-Dist that holds here (extras only where asked), transitively. A
+    dependency the folder lacks (torch, say) is left to the environment. Without such a wheel: 1, nothing printed."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name, parse_wheel_filename
+
+    wheels = {}
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".whl"):
+            project, version = parse_wheel_filename(name)[:2]
+            if project not in wheels or wheels[project][0] < version:
+                wheels[project] = (version, os.path.join(folder, name))
+    pending, seen = [(canonicalize_name("flash-attn-4"), frozenset())], {}
+    while pending:
+        project, extras = pending.pop(0)
+        if project not in wheels or (project in seen and extras <= seen[project]):
+            continue
+        seen[project] = seen.get(project, frozenset()) | extras
+        with zipfile.ZipFile(wheels[project][1]) as wheel:
+            metadata = next(name for name in wheel.namelist() if name.endswith(".dist-info/METADATA"))
+            lines = wheel.read(metadata).decode().splitlines()
+        for line in lines:
+            if line.startswith("Requires-Dist:"):
+                requirement = Requirement(line.partition(":")[2].strip())
+                if requirement.marker is None or any(
+                        requirement.marker.evaluate({"extra": extra}) for extra in extras | {""}):
+                    pending.append((canonicalize_name(requirement.name), frozenset(requirement.extras)))
+    if not seen:
+        print(f"no flash_attn_4-*.whl in {folder}", file=sys.stderr)
+        return 1
+    print("\n".join(wheels[project][1] for project in seen))
+    return 0
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -244,6 +283,10 @@ class Report:
         }
         self.lines = []
 
+    def passed(self, row):
+        """Whether a step counts as passed: it passed, or it was skipped for a reason (not for the time)."""
+        return row["status"] == "passed" or row["status"].startswith(SKIPPED)
+
     def add(self, *lines):
         self.lines.extend(lines)
 
@@ -271,8 +314,10 @@ class Report:
             self.add("- Mode: GPU (`gpu_check.sh`)")
         for key, label in (("commit", "Commit"), ("host", "Host"), ("budget", "Time budget (s)")):
             self.add(f"- {label}: {self.meta.get(key, '?')}")
-        failed = [row["name"] for row in self.steps if row["status"] != "passed"]
-        passed = f"- Steps: {len(self.steps) - len(failed)} of {len(self.steps)} passed"
+        failed = [row["name"] for row in self.steps if not self.passed(row)]
+        skipped = [row["name"] for row in self.steps if row["status"].startswith(SKIPPED)]
+        passed = f"- Steps: {len(self.steps) - len(failed) - len(skipped)} of {len(self.steps)} passed"
+        passed += f"; skipped, not failed: {', '.join(skipped)}" if skipped else ""
         self.add(passed + (f"; not passed: {', '.join(failed)}" if failed else ""), "")
 
     def versions(self):
@@ -371,6 +416,36 @@ class Report:
             self.add(f"- Leg {1 if leg == 'image' else 2}, {self._leg_title(leg)}: {_counts(cases)}{unfinished}")
             for case in bad:
                 self.add(f"  - {case['outcome'].upper()} `{case['id']}`: {case['message']}")
+        self.add("")
+
+    def flash4_tests(self):
+        self.add("## flash-attn 4", "")
+        self.add(f"- Wheels: {self.meta.get('flash4_note', '?')}")
+        row = self.step.get("flash4")
+        if row is None:
+            self.add("")
+            self.waited("install-flash4" if "install-flash4" in self.step else "flash4", "the flash-attn 4 tests")
+            return
+        if row["status"].startswith(SKIPPED):
+            self.add(f"- Not run, not a failure: {row['status'][len(SKIPPED):]}", "")
+            return
+        self.add(f"- Command: `{row['command']}`", "")
+        source = "junit XML in the work folder"
+        try:
+            cases = junit_cases(os.path.join(self.work, "junit-flash4.xml"))
+        except (OSError, ElementTree.ParseError):
+            cases, source = log_cases(os.path.join(self.work, "logs", "flash4.log")), "pytest -v log (no junit)"
+        if not cases:
+            self.waited("flash4", "the flash-attn 4 test outcomes")
+            return
+        if row["status"] != "passed":
+            self.add(
+                f"The run {row['status']} (rc {row['rc']}, {row['seconds']} s of {row['limit']}): the table "
+                f"holds the tests that finished.", "")
+        self.add(f"Tests: {_counts(cases)} (from the {source}).", "")
+        self.add(*_table(["test", "outcome", "seconds", "message"], [[
+            case["id"], case["outcome"], "-" if case["seconds"] is None else f"{case['seconds']:.2f}", case["message"]
+        ] for case in cases]))
         self.add("")
 
     def benchmark(self):
@@ -589,7 +664,7 @@ class Report:
         self.add("")
 
     def failed_logs(self):
-        failed = [row for row in self.steps if row["status"] != "passed"]
+        failed = [row for row in self.steps if not self.passed(row)]
         if not failed:
             return
         self.add("## Logs of the steps that did not pass", "")
@@ -598,12 +673,13 @@ class Report:
                      *_log_tail(os.path.join(self.work, "logs", f"{row['name']}.log")), "```", "")
 
     def write(self):
-        for section in (self.header, self.versions, self.install, self.steps_table, self.suites, self.benchmark,
-                        self.op_figures, self.kept_bytes, self.peak_memory, self.long_sequences, self.offload_leg,
-                        self.failed_logs):
+        for section in (self.header, self.versions, self.install, self.steps_table, self.suites, self.flash4_tests,
+                        self.benchmark, self.op_figures, self.kept_bytes, self.peak_memory, self.long_sequences,
+                        self.offload_leg, self.failed_logs):
             section()
         self.add("Files: RESULTS.md, gpu_check.log (every step's log), junit-image.xml, junit-wheel.xml, bench.json, "
-                 "bench.png, op_figures.json, long.json (the offload leg's figures are above).")
+                 "bench.png, op_figures.json, long.json (the offload leg's figures and flash-attn 4's outcomes are "
+                 "above).")
         path = os.path.join(self.out, "RESULTS.md")
         with open(path, "w") as file:
             file.write("\n".join(self.lines) + "\n")
@@ -622,6 +698,8 @@ def main(argv=None):
     check.add_argument("--target", help="... or in this target folder")
     check.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     check.add_argument("wheels", nargs="*")
+    flash4 = commands.add_parser("flash4-wheels", help="list a folder's flash-attn-4 wheel and its dependencies'")
+    flash4.add_argument("folder")
     report = commands.add_parser("report", help="write RESULTS.md")
     report.add_argument("--work", required=True)
     report.add_argument("--out", required=True)
@@ -630,6 +708,8 @@ def main(argv=None):
         return make_venv(args.directory)
     if args.command == "probe":
         return probe(args)
+    if args.command == "flash4-wheels":
+        return flash4_wheels(args.folder)
     return Report(args.work, args.out).write()
 
 

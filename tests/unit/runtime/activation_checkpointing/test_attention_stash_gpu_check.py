@@ -3,7 +3,7 @@
 # DeepSpeed Team
 """The GPU check's dry run: tests/benchmarks/gpu_check.sh --dry-run on CPU at tiny shapes, so that the one command a
 lent H200 gets is known to work before a device is spent on it. Every step must pass, the offline install must land in
-a fresh venv, and RESULTS.md must carry each section with figures in it. About 45 seconds on 2 idle cores.
+a fresh venv, and RESULTS.md must carry each section with figures in it. About 50 seconds on 2 idle cores.
 """
 
 import glob
@@ -17,10 +17,11 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
 SCRIPT = os.path.join(REPO, "tests", "benchmarks", "gpu_check.sh")
 STEPS = ("build-wheels", "venv", "install-venv", "probe-image", "probe-wheel", "suite-image", "bench", "op-figures",
-         "long-sequence", "offload-32", "suite-wheel")
+         "long-sequence", "offload-32", "flash4", "suite-wheel")
 SECTIONS = ("## Versions", "## Offline install", "## Steps", "## GPU tests", "### Leg 1: transformers",
-            "### Leg 2: transformers", "## Rest of the suite", "## Benchmark", "## Op-level figures",
-            "## Bytes kept per layer against the planner", "## Peak memory per arm", "## Long sequences", "## Offload")
+            "### Leg 2: transformers", "## Rest of the suite", "## flash-attn 4", "## Benchmark",
+            "## Op-level figures", "## Bytes kept per layer against the planner", "## Peak memory per arm",
+            "## Long sequences", "## Offload")
 
 
 def _section(report, title):
@@ -95,6 +96,17 @@ def test_gpu_check_dry_run(tmp_path):
             case = ("test_attention_stash_from_pretrained.py::"
                     f"test_a_model_from_pretrained_at_the_defaults_is_served_on_cuda[{mode}]")
             assert _row(section, case)[1] == ("passed" if torch.cuda.is_available() else "skipped")  #ignore-cuda
+
+    # The flash-attn 4 step on CPU: the double's stock and stashed steps at 4.0.0b40, Llama on a plain and a packed
+    # batch in both checkpoint modes, each passed, from the junit XML that stays in the work folder.
+    flash4 = _section(report, "## flash-attn 4")
+    assert "- Wheels: dry run: the CPU double's flash-attn 4 tests, no flash-attn 4 installed" in flash4
+    assert "Tests: 4 passed (from the junit XML in the work folder)." in flash4
+    for kind in ("plain", "packed_position_ids"):
+        for mode in ("reentrant", "non_reentrant"):
+            case = f"test_attention_stash_flash4.py::test_a_step_is_stock[4.0.0b40-llama-{kind}-{mode}]"
+            assert _row(flash4, case)[1] == "passed", case
+    assert (work / "junit-flash4.xml").is_file()
 
     benchmark = _section(report, "## Benchmark")
     for arm in ("plain recompute", "stash 1 layers", "stash 2 layers", "non-reentrant recompute",
@@ -171,3 +183,70 @@ def test_gpu_check_names_what_its_python_lacks(tmp_path):
     assert "without: torch, transformers, deepspeed, pytest" in message
     assert "run the README's test command in it" in message and "PYTHON=/path/to/venv/bin/python" in message
     assert (out / "RESULTS.md").read_text() == f"# Attention stash: GPU check (dry-run): NO STEP RAN\n\n{message}\n"
+
+
+def _report_helper(*args):
+    return subprocess.run(
+        [sys.executable, os.path.join(REPO, "tests", "benchmarks", "gpu_check_report.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=120)
+
+
+def test_flash4_wheels_are_the_newest_flash_attn_4_and_its_dependencies_in_the_folder(tmp_path):
+    """The flash-attn 4 step's wheels: the newest flash-attn-4 wheel, then those of the folder it requires, through
+    their own requirements and the extras asked for, and no other (not an extra's that nothing asks for, not
+    DeepSpeed's); 1, and nothing listed, where the folder holds no flash-attn-4 wheel."""
+    import zipfile
+
+    def wheel(name, version, *requires):
+        with zipfile.ZipFile(tmp_path / f"{name}-{version}-py3-none-any.whl", "w") as archive:
+            lines = [f"Name: {name}", f"Version: {version}", *(f"Requires-Dist: {line}" for line in requires)]
+            archive.writestr(f"{name}-{version}.dist-info/METADATA", "\n".join(["Metadata-Version: 2.1", *lines]))
+
+    wheel("deepspeed", "0.19.8", "hjson")
+    wheel("hjson", "3.1.0")
+    wheel("einops", "0.8.1")
+    wheel("flash_attn_4", "4.0.0b39", "einops")
+    wheel("flash_attn_4", "4.0.0b40", "nvidia-cutlass-dsl>=4.6.2", "torch", "quack-kernels>=0.5.3",
+          'nvidia-cutlass-dsl[cu13]>=4.6.2; extra == "cu13"', 'pytest; extra == "dev"')
+    wheel("quack_kernels", "0.5.3", "nvidia-cutlass-dsl[extra]", "torch")
+    wheel("nvidia_cutlass_dsl", "4.6.2", "nvidia-cutlass-dsl-libs-base==4.6.2",
+          'nvidia-cutlass-dsl-libs-cu13==4.6.2; extra == "cu13"', 'cuda-python; extra == "extra"')
+    for name in ("nvidia_cutlass_dsl_libs_base", "nvidia_cutlass_dsl_libs_cu13", "cuda_python", "pytest"):
+        wheel(name, "4.6.2")
+    run = _report_helper("flash4-wheels", str(tmp_path))
+    assert run.returncode == 0, run.stderr
+    assert [os.path.basename(path) for path in run.stdout.split()] == [
+        "flash_attn_4-4.0.0b40-py3-none-any.whl", "nvidia_cutlass_dsl-4.6.2-py3-none-any.whl",
+        "quack_kernels-0.5.3-py3-none-any.whl", "nvidia_cutlass_dsl_libs_base-4.6.2-py3-none-any.whl",
+        "cuda_python-4.6.2-py3-none-any.whl"
+    ]
+    for path in tmp_path.glob("flash_attn_4-*"):
+        path.unlink()
+    run = _report_helper("flash4-wheels", str(tmp_path))
+    assert (run.returncode, run.stdout) == (1, "") and f"no flash_attn_4-*.whl in {tmp_path}" in run.stderr
+
+
+def test_a_step_skipped_for_a_reason_is_reported_and_not_failed(tmp_path):
+    """A GPU run without a flash-attn-4 wheel: its flash-attn 4 step, skipped for that reason, is reported with the
+    reason and not counted as a failure; one skipped for the time is."""
+    work, out = tmp_path / "work", tmp_path / "out"
+    (work / "logs").mkdir(parents=True)
+    out.mkdir()
+    (work / "meta.tsv").write_text("mode\tgpu\nflash4_note\tno flash_attn_4-*.whl in the wheel folder\n")
+    (work / "steps.tsv").write_text("venv\tpassed\t0\t0.1\t60\tpython venv\n"
+                                    "flash4\tskipped: no flash_attn_4-*.whl in the wheel folder /w\t-\t0\t0\t-\n")
+    run = _report_helper("report", "--work", str(work), "--out", str(out))
+    assert run.returncode == 0, run.stdout + run.stderr
+    report = (out / "RESULTS.md").read_text()
+    assert "- Steps: 1 of 2 passed; skipped, not failed: flash4\n" in report
+    assert "## Logs of the steps that did not pass" not in report
+    flash4 = _section(report, "## flash-attn 4")
+    assert "- Not run, not a failure: no flash_attn_4-*.whl in the wheel folder /w" in flash4
+    with open(work / "steps.tsv", "a") as steps:
+        steps.write("suite-wheel\tskipped (out of time)\t-\t0\t0\tpytest\n")
+    assert _report_helper("report", "--work", str(work), "--out", str(out)).returncode == 0
+    report = (out / "RESULTS.md").read_text()
+    assert "- Steps: 1 of 3 passed; skipped, not failed: flash4; not passed: suite-wheel\n" in report
+    assert "### suite-wheel: skipped (out of time)" in report
