@@ -75,6 +75,32 @@ def mistral_model(dtype=torch.float32, **overrides):
     return _tiny(MistralForCausalLM, MistralConfig, dtype, {}, overrides)
 
 
+def gpt_oss_model(dtype=torch.bfloat16, head_dim=16, frozen_sinks=False):
+    """A tiny gpt-oss, a sliding-window layer and a full one, in eager attention, whose attention sinks train or are
+    frozen (as LoRA leaves them); its attention passes them to flash calls as s_aux, cast to the query's dtype."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    torch.manual_seed(0)
+    config = GptOssConfig(vocab_size=128,
+                          hidden_size=64,
+                          intermediate_size=32,
+                          num_hidden_layers=2,
+                          num_attention_heads=4,
+                          num_key_value_heads=2,
+                          head_dim=head_dim,
+                          num_local_experts=4,
+                          num_experts_per_tok=2,
+                          sliding_window=8,
+                          layer_types=["sliding_attention", "full_attention"],
+                          attn_implementation="eager")
+    model = GptOssForCausalLM(config).to(dtype)
+    for layer in model.model.layers:
+        # Sinks of both signs and sizes that move each row's normaliser.
+        torch.nn.init.normal_(layer.self_attn.sinks, std=1.0)
+        layer.self_attn.sinks.requires_grad_(not frozen_sinks)
+    return model
+
+
 MODELS = {"mixtral": mixtral_model, "qwen3_moe": qwen3_moe_model}
 
 

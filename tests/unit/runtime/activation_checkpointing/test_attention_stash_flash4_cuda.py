@@ -23,7 +23,7 @@ import pytest
 import torch
 from packaging.version import Version
 
-from attention_stash_helpers import assert_same_grads, checkpointed, llama_model, param_grads
+from attention_stash_helpers import assert_same_grads, checkpointed, gpt_oss_model, llama_model, param_grads
 
 DEVICE = "cuda"
 DTYPE = torch.bfloat16
@@ -92,34 +92,11 @@ def flash4(monkeypatch):
     return types.SimpleNamespace(calls=calls, release=Version(importlib.metadata.version("flash-attn-4")))
 
 
-def gpt_oss_model(use_reentrant):
-    """A tiny gpt-oss, a sliding-window layer and a full one, whose attention sinks train."""
-    from transformers import GptOssConfig, GptOssForCausalLM
-
-    torch.manual_seed(0)
-    config = GptOssConfig(vocab_size=128,
-                          hidden_size=64,
-                          intermediate_size=32,
-                          num_hidden_layers=2,
-                          num_attention_heads=4,
-                          num_key_value_heads=2,
-                          head_dim=HEAD_DIM,
-                          num_local_experts=4,
-                          num_experts_per_tok=2,
-                          sliding_window=8,
-                          layer_types=["sliding_attention", "full_attention"],
-                          attn_implementation="eager")
-    model = GptOssForCausalLM(config).to(DTYPE)
-    for layer in model.model.layers:
-        # Sinks of both signs and sizes that move each row's normaliser.
-        torch.nn.init.normal_(layer.self_attn.sinks, std=1.0)
-    return checkpointed(model, use_reentrant)
-
-
 # name: (model, attention layers), built on CPU.
 MODELS = {
     "llama": (lambda use_reentrant: checkpointed(llama_model(DTYPE, head_dim=HEAD_DIM), use_reentrant), 3),
-    "gpt_oss_trained_sinks": (gpt_oss_model, 2),
+    "gpt_oss_trained_sinks":
+    (lambda use_reentrant: checkpointed(gpt_oss_model(DTYPE, head_dim=HEAD_DIM), use_reentrant), 2),
 }
 
 

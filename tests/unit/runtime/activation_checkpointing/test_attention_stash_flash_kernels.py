@@ -35,8 +35,8 @@ from attention_stash_flash3 import (HUB_BUILDS, flash_kernels_or_skip, hub_kerne
                                     use_hub_kernel)
 from attention_stash_helpers import (CountOps, assert_same_calls, assert_same_grads, assert_stock_process,
                                      bound_arguments, checkpointed, counted_step, kept_outputs, live_checkpoint_calls,
-                                     live_tensors, llama_model, logged_messages, mistral_model, param_grads,
-                                     same_value, tensors)
+                                     gpt_oss_model, live_tensors, llama_model, logged_messages, mistral_model,
+                                     param_grads, same_value, tensors)
 from test_attention_stash_flash import PADDING, _qwen3_next_model, make_batch, meta_of_a_batch, meta_step, real_2d
 
 flash_attn_or_skip()
@@ -334,29 +334,9 @@ def test_flash_attention_3_served_through_hugging_faces_hub_kernel_fallback(inst
 
 
 def _gpt_oss_model(repo_id, frozen_sinks, use_reentrant=True, dtype=DTYPE):
-    """A tiny gpt-oss on ``repo_id``, a sliding-window layer and a full one, whose attention sinks train or are frozen
-    (as LoRA leaves them); its attention passes them to flash calls as s_aux, cast to the query's dtype."""
-    from transformers import GptOssConfig, GptOssForCausalLM
-
-    torch.manual_seed(0)
-    config = GptOssConfig(vocab_size=128,
-                          hidden_size=64,
-                          intermediate_size=32,
-                          num_hidden_layers=2,
-                          num_attention_heads=4,
-                          num_key_value_heads=2,
-                          head_dim=16,
-                          num_local_experts=4,
-                          num_experts_per_tok=2,
-                          sliding_window=8,
-                          layer_types=["sliding_attention", "full_attention"],
-                          attn_implementation="eager")
-    model = GptOssForCausalLM(config).to(dtype)
+    """helpers' tiny gpt-oss on ``repo_id``, checkpointed."""
+    model = gpt_oss_model(dtype, frozen_sinks=frozen_sinks)
     model.config._attn_implementation = repo_id
-    for layer in model.model.layers:
-        # Sinks of both signs and sizes that move each row's normaliser.
-        torch.nn.init.normal_(layer.self_attn.sinks, std=1.0)
-        layer.self_attn.sinks.requires_grad_(not frozen_sinks)
     return checkpointed(model, use_reentrant)
 
 
