@@ -21,6 +21,8 @@ import types
 
 import torch
 
+from deepspeed.runtime.activation_checkpointing import attention_stash
+
 # Into the repository's .test-packages folder, which tests/conftest.py puts on the test session's path.
 INSTALL_HINT = ("FLASH_ATTENTION_FORCE_BUILD=TRUE FLASH_ATTENTION_SKIP_CUDA_BUILD=TRUE pip install "
                 "--no-build-isolation --no-deps --target .test-packages flash-attn==2.8.3 (in the repository's root)")
@@ -374,3 +376,86 @@ def flash_varlen_backward_cpu(dout,
 
 def _round_up(length):
     return (length + _ROW_BLOCK - 1) // _ROW_BLOCK * _ROW_BLOCK
+
+
+# Batches and meta steps of the flash tests (flash-attn 2 and 3, the Hub builds, flash-attn 4), here so that each test file
+# skips for its own implementation's reason alone.
+# Documents of a packed batch: one row of 64 tokens.
+DOCUMENTS = (24, 40)
+# Left padding of the second row of a padded batch.
+PADDING = 5
+META_BATCH, META_SEQUENCE = 2, 72
+
+
+def make_batch(kind):
+    """The batch's model inputs, and the (micro-batch, sequence) the planner counts for it."""
+    generator = torch.Generator().manual_seed(1)
+    if kind in ("plain", "padded"):
+        ids = torch.randint(0, 128, (2, 32), generator=generator)
+        if kind == "plain":
+            return dict(input_ids=ids, labels=ids), (2, 32)
+        mask = torch.ones_like(ids)
+        mask[1, :PADDING] = 0
+        return dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)), (2, 32)
+    # One row of documents, as transformers' DataCollatorWithFlattening makes it: positions restart per document,
+    # and no label crosses a boundary.
+    ids = torch.randint(0, 128, (1, sum(DOCUMENTS)), generator=generator)
+    position_ids = torch.cat([torch.arange(length) for length in DOCUMENTS]).unsqueeze(0)
+    labels = ids.clone()
+    labels[0, DOCUMENTS[0]] = -100
+    inputs = dict(input_ids=ids, position_ids=position_ids, labels=labels)
+    if kind == "packed_cu_seq_lens":
+        cu_seq_lens = torch.tensor([0, DOCUMENTS[0], sum(DOCUMENTS)], dtype=torch.int32)
+        inputs.update(cu_seq_lens_q=cu_seq_lens,
+                      cu_seq_lens_k=cu_seq_lens.clone(),
+                      max_length_q=max(DOCUMENTS),
+                      max_length_k=max(DOCUMENTS))
+    return inputs, (1, sum(DOCUMENTS))
+
+
+def real_2d(tensor):
+    """What a step's live-tensor check counts: a tensor of two or more dimensions, not on meta."""
+    return tensor.dim() >= 2 and not tensor.is_meta
+
+
+def meta_of_a_batch(tensor):
+    """What a meta step's live-tensor check counts: a meta tensor of two or more dimensions with one of a batch's
+    sequence (plain or packed)."""
+    return tensor.dim() >= 2 and tensor.is_meta and (META_SEQUENCE in tensor.shape
+                                                     or META_BATCH * META_SEQUENCE in tensor.shape)
+
+
+def meta_step(model, handle, packed, counter, calls):
+    """One step of the decoder layers on meta tensors in bfloat16, called as the model calls them, counted by
+    ``counter`` (returned): ``calls`` attention calls kept, as the planner counts their bytes, then served; every
+    layer parameter gets a gradient of its shape and dtype."""
+    batch, sequence = (1, META_BATCH * META_SEQUENCE) if packed else (META_BATCH, META_SEQUENCE)
+    inputs = torch.empty(batch,
+                         sequence,
+                         model.config.hidden_size,
+                         device="meta",
+                         dtype=torch.bfloat16,
+                         requires_grad=True)
+    embeddings = model.model.rotary_emb(inputs, torch.arange(sequence, device="meta").unsqueeze(0))
+    varlen = {}
+    if packed:
+        cu_seq_lens = torch.empty(META_BATCH + 1, device="meta", dtype=torch.int32)
+        varlen = dict(cu_seq_lens_q=cu_seq_lens,
+                      cu_seq_lens_k=cu_seq_lens,
+                      max_length_q=META_SEQUENCE,
+                      max_length_k=META_SEQUENCE)
+    hidden = inputs
+    with counter:
+        for layer in model.model.layers:
+            hidden = layer(hidden, attention_mask=None, position_embeddings=embeddings, position_ids=None, **varlen)
+            hidden = hidden[0] if isinstance(hidden, tuple) else hidden
+        planned = attention_stash.attention_stash_layer_bytes(model, batch, sequence)
+        assert (handle.num_kept, handle.kept_bytes) == (calls, calls * planned)
+        hidden.sum().backward()
+    assert (handle.recomputes_served, handle.num_kept, handle.kept_bytes) == (calls, 0, 0)
+    assert inputs.grad is not None and inputs.grad.shape == inputs.shape
+    for param_name, param in model.named_parameters():
+        if param_name.startswith("model.layers."):
+            assert param.grad is not None, param_name
+            assert (param.grad.shape, param.grad.dtype) == (param.shape, param.dtype), param_name
+    return counter

@@ -20,8 +20,8 @@ import transformers
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
-from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig,
-                          MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
+from transformers import (Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                          MistralForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 NUM_LAYERS = 3
 # transformers >= 5.23 checkpoints a decoder layer's forward; up to 5.22 its __call__, hooks inside.
@@ -73,6 +73,13 @@ def llama_model(dtype=torch.float32, **overrides):
 
 def mistral_model(dtype=torch.float32, **overrides):
     return _tiny(MistralForCausalLM, MistralConfig, dtype, {}, overrides)
+
+
+def gemma2_model(dtype=torch.float32, **overrides):
+    # Gemma 2 caps its attention logits (softcap * tanh(scores / softcap)), layers alternating sliding and full; in
+    # eager attention, as sdpa takes no cap.
+    defaults = dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=8, attn_implementation="eager")
+    return _tiny(Gemma2ForCausalLM, Gemma2Config, dtype, defaults, overrides)
 
 
 def gpt_oss_model(dtype=torch.bfloat16, head_dim=16, frozen_sinks=False):

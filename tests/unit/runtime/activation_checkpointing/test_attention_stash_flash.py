@@ -22,7 +22,8 @@ import transformers
 from deepspeed.runtime.activation_checkpointing import attention_stash
 from deepspeed.runtime.activation_checkpointing.attention_stash import AttentionStashError
 
-from attention_stash_flash import flash_attn_or_skip, use_flash_attention_2
+from attention_stash_flash import (DOCUMENTS, PADDING, flash_attn_or_skip, make_batch, meta_of_a_batch, meta_step,
+                                   real_2d, use_flash_attention_2)
 from attention_stash_helpers import (QWEN3_NEXT_HYBRID, CountOps, assert_same_grads, assert_stock_process,
                                      checkpointed, counted_step, kept_outputs, live_checkpoint_calls, live_tensors,
                                      llama_model, logged_messages, mistral_model, param_grads, qwen3_moe_model,
@@ -34,10 +35,6 @@ SOURCE = f"flash-attn 2's interface from flash_attn {sys.modules['flash_attn']._
 
 MODES = pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non_reentrant"])
 DTYPE = torch.bfloat16
-# Documents of a packed batch: one row of 64 tokens.
-DOCUMENTS = (24, 40)
-# Left padding of the second row of a padded batch.
-PADDING = 5
 
 
 def _qwen3_next_model(dtype):
@@ -104,41 +101,10 @@ def flash_model(name, use_reentrant=True):
     return checkpointed(model, use_reentrant=use_reentrant)
 
 
-def make_batch(kind):
-    """The batch's model inputs, and the (micro-batch, sequence) the planner counts for it."""
-    generator = torch.Generator().manual_seed(1)
-    if kind in ("plain", "padded"):
-        ids = torch.randint(0, 128, (2, 32), generator=generator)
-        if kind == "plain":
-            return dict(input_ids=ids, labels=ids), (2, 32)
-        mask = torch.ones_like(ids)
-        mask[1, :PADDING] = 0
-        return dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)), (2, 32)
-    # One row of documents, as transformers' DataCollatorWithFlattening makes it: positions restart per document,
-    # and no label crosses a boundary.
-    ids = torch.randint(0, 128, (1, sum(DOCUMENTS)), generator=generator)
-    position_ids = torch.cat([torch.arange(length) for length in DOCUMENTS]).unsqueeze(0)
-    labels = ids.clone()
-    labels[0, DOCUMENTS[0]] = -100
-    inputs = dict(input_ids=ids, position_ids=position_ids, labels=labels)
-    if kind == "packed_cu_seq_lens":
-        cu_seq_lens = torch.tensor([0, DOCUMENTS[0], sum(DOCUMENTS)], dtype=torch.int32)
-        inputs.update(cu_seq_lens_q=cu_seq_lens,
-                      cu_seq_lens_k=cu_seq_lens.clone(),
-                      max_length_q=max(DOCUMENTS),
-                      max_length_k=max(DOCUMENTS))
-    return inputs, (1, sum(DOCUMENTS))
-
-
 def flash_op(func):
     """flash-attn's kernel ops (flash_attn::*), by name, for CountOps; None for any other op."""
     namespace, _, name = func._schema.name.partition("::")
     return name if namespace == "flash_attn" else None
-
-
-def real_2d(tensor):
-    """What a step's live-tensor check counts: a tensor of two or more dimensions, not on meta."""
-    return tensor.dim() >= 2 and not tensor.is_meta
 
 
 @MODES
@@ -491,51 +457,11 @@ def test_an_sdpa_and_a_flash_model_are_served_side_by_side(install, flash):
 # On the meta device, through flash-attn's own fake kernels.
 # ---------------------------------------------------------------------------------------------------------------------
 
-META_BATCH, META_SEQUENCE = 2, 72
-
 
 def _meta_model(name, use_reentrant):
     with torch.device("meta"):
         model = flash_model(name, use_reentrant)
     return model
-
-
-def meta_of_a_batch(tensor):
-    """What a meta step's live-tensor check counts: a meta tensor of two or more dimensions with one of a batch's
-    sequence (plain or packed)."""
-    return tensor.dim() >= 2 and tensor.is_meta and (META_SEQUENCE in tensor.shape
-                                                     or META_BATCH * META_SEQUENCE in tensor.shape)
-
-
-def meta_step(model, handle, packed, counter, calls):
-    """One step of the decoder layers on meta tensors in bfloat16, called as the model calls them, counted by
-    ``counter`` (returned): ``calls`` attention calls kept, as the planner counts their bytes, then served; every
-    layer parameter gets a gradient of its shape and dtype."""
-    batch, sequence = (1, META_BATCH * META_SEQUENCE) if packed else (META_BATCH, META_SEQUENCE)
-    inputs = torch.empty(batch, sequence, model.config.hidden_size, device="meta", dtype=DTYPE, requires_grad=True)
-    embeddings = model.model.rotary_emb(inputs, torch.arange(sequence, device="meta").unsqueeze(0))
-    varlen = {}
-    if packed:
-        cu_seq_lens = torch.empty(META_BATCH + 1, device="meta", dtype=torch.int32)
-        varlen = dict(cu_seq_lens_q=cu_seq_lens,
-                      cu_seq_lens_k=cu_seq_lens,
-                      max_length_q=META_SEQUENCE,
-                      max_length_k=META_SEQUENCE)
-    hidden = inputs
-    with counter:
-        for layer in model.model.layers:
-            hidden = layer(hidden, attention_mask=None, position_embeddings=embeddings, position_ids=None, **varlen)
-            hidden = hidden[0] if isinstance(hidden, tuple) else hidden
-        planned = attention_stash.attention_stash_layer_bytes(model, batch, sequence)
-        assert (handle.num_kept, handle.kept_bytes) == (calls, calls * planned)
-        hidden.sum().backward()
-    assert (handle.recomputes_served, handle.num_kept, handle.kept_bytes) == (calls, 0, 0)
-    assert inputs.grad is not None and inputs.grad.shape == inputs.shape
-    for param_name, param in model.named_parameters():
-        if param_name.startswith("model.layers."):
-            assert param.grad is not None, param_name
-            assert (param.grad.shape, param.grad.dtype) == (param.shape, param.dtype), param_name
-    return counter
 
 
 @MODES

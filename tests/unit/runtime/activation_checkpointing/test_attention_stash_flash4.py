@@ -14,6 +14,7 @@ compared bitwise, and the double's kernel runs counted (its ``calls``).
 import contextlib
 import functools
 import re
+from collections import Counter
 
 import pytest
 import torch
@@ -23,24 +24,32 @@ from deepspeed.runtime.activation_checkpointing.attention_stash import Attention
 
 from attention_stash_flash4 import FLASH4_RELEASES, RECORD_OF, use_flash_attn_4
 from attention_stash_helpers import (assert_same_grads, assert_stock_process, bound_arguments, checkpointed,
-                                     kept_outputs, live_checkpoint_calls, live_tensors, llama_model, logged_messages,
-                                     mistral_model, param_grads, qwen3_moe_model, same_value, tensors)
-from test_attention_stash_flash import PADDING, make_batch, meta_of_a_batch, meta_step, real_2d
-from test_attention_stash_flash_kernels import _gpt_oss_model
+                                     gemma2_model, gpt_oss_model, kept_outputs, live_checkpoint_calls, live_tensors,
+                                     llama_model, logged_messages, mistral_model, param_grads, qwen3_moe_model,
+                                     same_value, tensors)
+from attention_stash_flash import PADDING, make_batch, meta_of_a_batch, meta_step, real_2d
 
 DTYPE = torch.bfloat16
 IMPLEMENTATION = "flash_attention_4"
 NEWEST = FLASH4_RELEASES[-1]
 MODES = pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non_reentrant"])
+# Gemma 2's attention logit cap, small enough that the tiny model's scores bend under it.
+SOFTCAP = 1.0
 # name: (model, attention layers). gpt-oss: a sliding-window layer and a full one, with learnable sinks that train or
 # are frozen (as LoRA leaves them); the integration casts them to the query's dtype.
 MODELS = {
-    "llama": lambda use_reentrant: checkpointed(llama_model(DTYPE), use_reentrant),
-    "qwen3_moe": lambda use_reentrant: checkpointed(qwen3_moe_model(DTYPE), use_reentrant),
+    "llama":
+    lambda use_reentrant: checkpointed(llama_model(DTYPE), use_reentrant),
+    "qwen3_moe":
+    lambda use_reentrant: checkpointed(qwen3_moe_model(DTYPE), use_reentrant),
     "mistral_sliding_window":
     lambda use_reentrant: checkpointed(mistral_model(DTYPE, sliding_window=8), use_reentrant),
-    "gpt_oss_trained_sinks": lambda use_reentrant: _gpt_oss_model(IMPLEMENTATION, False, use_reentrant),
-    "gpt_oss_frozen_sinks": lambda use_reentrant: _gpt_oss_model(IMPLEMENTATION, True, use_reentrant),
+    "gemma2_softcap":
+    lambda use_reentrant: checkpointed(gemma2_model(DTYPE, attn_logit_softcapping=SOFTCAP), use_reentrant),
+    "gpt_oss_trained_sinks":
+    lambda use_reentrant: checkpointed(gpt_oss_model(DTYPE), use_reentrant),
+    "gpt_oss_frozen_sinks":
+    lambda use_reentrant: checkpointed(gpt_oss_model(DTYPE, frozen_sinks=True), use_reentrant),
 }
 LAYERS = {"gpt_oss_trained_sinks": 2, "gpt_oss_frozen_sinks": 2}
 BATCHES = ("plain", "padded", "packed_position_ids", "packed_cu_seq_lens")
@@ -279,6 +288,24 @@ def test_kernel_calls_follow_flash_attn_4s_autograd_functions(install, monkeypat
                 assert same_value(ours[parameter], value), parameter
     assert all(arguments["learnable_sink"] is not None for arguments in forwards)
     assert [arguments.get("learnable_sink") is not None for arguments in backwards] == [release == NEWEST] * 2
+
+
+@MODES
+def test_gemma_2s_softcap_reaches_both_kernels_as_in_the_stock_step(install, monkeypatch, use_reentrant):
+    """Gemma 2's logit cap: the stashed step passes it to the forward and to the backward, as the stock step does (its
+    step in test_a_step_is_stock is bitwise stock; flash-attn 4's backward reads any softcap but 0.0 as a cap)."""
+    interface = use_flash_attn_4(monkeypatch)
+    model = flash4_model("gemma2_softcap", use_reentrant)
+    inputs = make_batch("plain")[0]
+    recorder = Recorder(monkeypatch, interface)
+    step(model, inputs, interface)
+    stock = Counter((name, arguments["softcap"]) for name, arguments in recorder.calls)
+    install(model, 3)
+    recorder.calls = []
+    step(model, inputs, interface)
+    stashed = Counter((name, arguments["softcap"]) for name, arguments in recorder.calls)
+    assert stock == {("_flash_attn_fwd", SOFTCAP): 6, ("_flash_attn_bwd", SOFTCAP): 3}
+    assert stashed == {("_flash_attn_fwd", SOFTCAP): 3, ("_flash_attn_bwd", SOFTCAP): 3}
 
 
 def _call_of_a_stashed_layer(install, monkeypatch):

@@ -37,7 +37,8 @@ from attention_stash_helpers import (CountOps, assert_same_calls, assert_same_gr
                                      bound_arguments, checkpointed, counted_step, kept_outputs, live_checkpoint_calls,
                                      gpt_oss_model, live_tensors, llama_model, logged_messages, mistral_model,
                                      param_grads, same_value, tensors)
-from test_attention_stash_flash import PADDING, _qwen3_next_model, make_batch, meta_of_a_batch, meta_step, real_2d
+from attention_stash_flash import PADDING, make_batch, meta_of_a_batch, meta_step, real_2d
+from test_attention_stash_flash import _qwen3_next_model
 
 flash_attn_or_skip()
 FLASH_ATTN_3 = flash_kernels_or_skip()

@@ -12,7 +12,7 @@ import torch
 from attention_stash_flash import flash_attn_or_skip, use_flash_attention_2
 from attention_stash_flash3 import use_hub_kernel
 from attention_stash_helpers import NUM_LAYERS, llama_model
-from test_attention_stash_flash import DOCUMENTS, make_batch
+from attention_stash_flash import DOCUMENTS, make_batch
 from test_attention_stash_offload import assert_offloaded_step, host, offload_enabled, offloaded_step  # noqa: F401
 
 flash_attn_or_skip()
