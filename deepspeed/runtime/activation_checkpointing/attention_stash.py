@@ -38,7 +38,7 @@ import types
 import weakref
 from collections import Counter
 from dataclasses import dataclass
-from functools import partial, reduce
+from functools import cached_property, partial, reduce
 
 import torch
 import torch.nn.functional as F
@@ -524,6 +524,11 @@ class _FlashFamily:
     returns_grads: bool = False
     window: tuple = (-1, -1)
 
+    @cached_property
+    def sinks_train(self):
+        """Whether its backward takes the sinks, and so returns their gradient (flash-attn 4 from 4.0.0b26)."""
+        return "learnable_sink" in self.signatures[2].split()
+
     def ops(self, module, names, varlen):
         """Ops for flash_attn_func (or flash_attn_varlen_func) of ``module``, whose kernel functions are ``names``."""
         (forward, backward), signatures = (names[varlen], names[2 + varlen]), self.signatures[varlen::2]
@@ -918,7 +923,7 @@ class _CheckpointCall:
                                       f"stash from this layer.")
         sinks = a.s_aux if a.learnable_sink is None else a.learnable_sink
         family = interface.family
-        if sinks is not None and sinks.requires_grad and "learnable_sink" not in family.signatures[2].split():
+        if sinks is not None and sinks.requires_grad and not family.sinks_train:
             raise AttentionStashError(f"{_FEATURE} needs attention sinks that do not require grad in "
                                       f"{self.stash.name}, got {'s_aux' if sinks is a.s_aux else 'learnable_sink'} "
                                       f"(the layer's sinks, as gpt-oss passes them) that requires grad for "
