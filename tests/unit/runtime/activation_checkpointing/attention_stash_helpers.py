@@ -24,6 +24,9 @@ from transformers import (Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaFor
                           MistralForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 NUM_LAYERS = 3
+# PyTorch's intra-op threads as the process started, before conftest.py (which imports this module first) gives each
+# pytest-xdist worker its share of the cores.
+DEFAULT_THREADS = torch.get_num_threads()
 # transformers >= 5.23 checkpoints a decoder layer's forward; up to 5.22 its __call__, hooks inside.
 FORWARD_LAYOUT = hasattr(transformers.PreTrainedModel, "activation_checkpointing_enable")
 STOCK_SDPA = ALL_ATTENTION_FUNCTIONS["sdpa"]

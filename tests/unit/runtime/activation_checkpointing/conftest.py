@@ -14,7 +14,8 @@ from deepspeed.runtime.activation_checkpointing.attention_stash import install_a
 
 from attention_stash_helpers import assert_stock_process
 
-# Each of pytest-xdist's workers (-n) takes its share of the cores for PyTorch's intra-op threads, and so do the
+# After attention_stash_helpers' import, which records PyTorch's default (DEFAULT_THREADS, for the test that runs at
+# it): each of pytest-xdist's workers (-n) takes its share of the cores for PyTorch's intra-op threads, and so do the
 # processes the tests start (through OMP_NUM_THREADS), unless OMP_NUM_THREADS is set already. PyTorch's default, a
 # thread per core in every process, oversubscribed CI's 2 cores under -n 2: measured there, the benchmark and
 # ZeRO files ran 2.4 times slower (87 s against 36 s), one benchmark test 7 times (32 s against 4.5 s).

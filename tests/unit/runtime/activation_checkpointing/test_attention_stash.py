@@ -22,10 +22,11 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from deepspeed.runtime.activation_checkpointing import attention_stash
 from deepspeed.runtime.activation_checkpointing.attention_stash import AttentionStashError, install_attention_stash
 
-from attention_stash_helpers import (bare_call, CPU_BACKWARD, CPU_FORWARD, MODELS, NUM_LAYERS, CountOps,
-                                     assert_same_grads, assert_stock_process, batch_ids, checkpointed, counted_step,
-                                     free_port, kept_outputs, llama_model, mixtral_model, param_grads, qwen3_moe_model,
-                                     stashed_train_step, train_step, STOCK_SDPA)
+from attention_stash_helpers import (bare_call, CPU_BACKWARD, CPU_FORWARD, DEFAULT_THREADS, MODELS, NUM_LAYERS,
+                                     CountOps, assert_served_as_plain, assert_same_grads, assert_stock_process,
+                                     batch_ids, checkpointed, counted_step, free_port, kept_outputs, llama_model,
+                                     mixtral_model, param_grads, qwen3_moe_model, stashed_train_step, train_step,
+                                     STOCK_SDPA)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -994,3 +995,22 @@ def test_a_global_deleted_after_the_install_fails_as_in_the_original(install, mo
     monkeypatch.delattr(sdpa_module, "use_gqa_in_sdpa")
     with pytest.raises(NameError, match="use_gqa_in_sdpa"):
         model(input_ids=ids, labels=ids)
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non_reentrant"])
+def test_a_step_at_pytorchs_default_thread_count_is_stock(install, use_reentrant):
+    """conftest.py gives each pytest-xdist worker its share of the cores for PyTorch's threads (1 on 2 cores); at
+    PyTorch's own default, as a user's process runs, a stashed step is stock bitwise too, every recompute served
+    without its attention forward."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(DEFAULT_THREADS)
+    try:
+        assert torch.get_num_threads() == DEFAULT_THREADS
+        ids = batch_ids()
+        assert_served_as_plain(checkpointed(qwen3_moe_model(), use_reentrant),
+                               NUM_LAYERS,
+                               install,
+                               input_ids=ids,
+                               labels=ids)
+    finally:
+        torch.set_num_threads(threads)
