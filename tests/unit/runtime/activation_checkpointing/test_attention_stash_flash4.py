@@ -300,12 +300,13 @@ def test_gemma_2s_softcap_reaches_both_kernels_as_in_the_stock_step(install, mon
     recorder = Recorder(monkeypatch, interface)
     step(model, inputs, interface)
     stock = Counter((name, arguments["softcap"]) for name, arguments in recorder.calls)
-    install(model, 3)
+    handle = install(model, 3)
     recorder.calls = []
     step(model, inputs, interface)
     stashed = Counter((name, arguments["softcap"]) for name, arguments in recorder.calls)
     assert stock == {("_flash_attn_fwd", SOFTCAP): 6, ("_flash_attn_bwd", SOFTCAP): 3}
     assert stashed == {("_flash_attn_fwd", SOFTCAP): 3, ("_flash_attn_bwd", SOFTCAP): 3}
+    assert handle.recomputes_served == 3
 
 
 def _call_of_a_stashed_layer(install, monkeypatch):
