@@ -49,6 +49,8 @@ from torch.utils.checkpoint import CheckpointPolicy as _Policy
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from deepspeed.accelerator import get_accelerator
+from deepspeed.module_inject.layers import LinearAllreduce
+from deepspeed.module_inject.tp_shard import AutoTPMeta, get_shard_size
 from deepspeed.runtime.activation_checkpointing import checkpointing as _ds_checkpointing
 from deepspeed.runtime.activation_checkpointing import offload_activations as _ds_offload
 from deepspeed.utils import log_dist, logger
@@ -319,6 +321,11 @@ _FLASH = _Ops("flash attention", "_scaled_dot_product_flash_attention", _flash_k
 # Memory-efficient attention on CUDA, PyTorch's choice where flash and cuDNN do not apply.
 _EFFICIENT = _Ops("memory-efficient attention", "_scaled_dot_product_efficient_attention", _efficient_kernel,
                   _efficient_backward, _efficient_mask, 1, 32)
+# A call with an empty dimension (a rank that AutoTP gives no heads), which no fused kernel takes (PyTorch's CPU flash
+# kernel dies of SIGFPE): F.sdpa's result, with no kernel in either pass (a query's sum over no keys is zero).
+_EMPTY = _Ops("no kernel (an empty call)", "", lambda q, k, v, mask, a: (q.new_zeros(*q.shape[:-1], v.shape[-1]),
+                                                                         (q.new_empty(0), ), ()),
+              lambda grad, q, k, v, *rest: (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)))
 
 # (device type, the backend torch._fused_sdp_choice reports) -> ops that replay it exactly.
 _BACKENDS = {
@@ -895,6 +902,8 @@ class _CheckpointCall:
             self.compare_input(self.calls, "attention mask", attn_mask)
         if torch._C._is_any_autocast_enabled():
             query, key, value, attn_mask = _autocast_inputs(query, key, value, attn_mask)
+        if not (query.numel() and key.numel()):
+            return self.attend(_EMPTY, query, key, value, None, _SdpaArguments(is_causal, scale))
         choice = _training_choice(query, key, value, attn_mask, is_causal, scale, enable_gqa)
         # CPU's type without making a torch.device; any other device's type from its torch.device.
         device_type = "cpu" if query.is_cpu else query.device.type
@@ -1032,6 +1041,7 @@ class _Counters:
     restored_bytes: int = 0
     offloaded: object = None
     engine: object = None
+    tensor_parallel: int = None  # the install's tensor_parallel_size, until the first training forward checks it
 
     def add(self, nbytes):
         self.kept += 1
@@ -1449,6 +1459,10 @@ class _LayerStash:
             # No graph, so no backward to serve: transformers <= 5.22 checkpoints no_grad forwards too.
             return checkpoint_function(function, *args, **kwargs)
         compiling, keywords = torch.compiler.is_compiling(), getattr(checkpoint_function, "keywords", {})
+        if self.counters.tensor_parallel is not None and not compiling:
+            given, self.counters.tensor_parallel = self.counters.tensor_parallel, None
+            if (_autotp_share(self.layer()) or (1, 1, 1))[2] != given:
+                raise AttentionStashError(_TP_MISMATCH.format((_autotp_share(self.layer()) or (1, 1, 1))[2], given))
         # Dynamo's frame callback is set where a graph break runs code of a torch.compile region eagerly.
         if compiling or torch._C._dynamo.eval_frame.get_eval_frame_callback() not in (None, False):
             if keywords.get("use_reentrant"):
@@ -2020,6 +2034,14 @@ def _plan(name, layer, modules, model):
     return _LayerPlan(name, layer, modules, config, implementation, calls)
 
 
+def _autotp_share(module):
+    """(this rank's part, the whole, the tensor-parallel size) of the width of what ``module``'s row-parallel output
+    projection takes, the attention output, where DeepSpeed's AutoTP sharded it; None elsewhere."""
+    layer = next((layer for layer in module.modules() if isinstance(layer, LinearAllreduce)), None)
+    sizes = getattr(layer, "_partition_sizes", None)
+    return None if sizes is None else (sizes[layer.tp_index], sum(sizes), layer.tp_world_size)
+
+
 # Why an attention layer is left out where activation checkpointing is on for other decoder layers only.
 _NOT_CHECKPOINTED = "no activation checkpointing (every_n_layers leaves it out), so no recompute to serve"
 
@@ -2090,6 +2112,28 @@ def _sequence_parallel_ranks(sequence_parallel_size, plans, attention_functions)
     return (ulysses.world_size, "found registered") if ulysses is not None else (1, None)
 
 
+def _tensor_parallel_ranks(tensor_parallel_size, plans):
+    """(the tensor-parallel size, how known), the plans' calls made this rank's share of the heads: AutoTP's, else rank
+    0's (the largest) over the size given, by DeepSpeed's split (key/value heads, the remainder to the first ranks)."""
+    shares = [_autotp_share(plan.modules[0]) for plan in plans]
+    found = shares[-1][2] if shares[-1] else 1
+    if tensor_parallel_size is not None:
+        _check_positive_int("tensor_parallel_size", tensor_parallel_size)
+        if found > 1 and found != tensor_parallel_size:
+            raise ValueError(_TP_MISMATCH.format(found, tensor_parallel_size))
+    given = tensor_parallel_size if found == 1 and tensor_parallel_size != 1 else None
+    for plan, share in zip(plans, shares):
+        if plan.calls and (share or given):
+            split = (lambda count, kv: -(-count * share[0] // share[1])) if share else (
+                lambda count, kv: get_shard_size(count, given, AutoTPMeta(kv), rank=0))
+            plan.calls = [(split(heads, kv), split(kv, kv), head_dim) for heads, kv, head_dim in plan.calls]
+    return max(found, given or 1), "found sharded by AutoTP" if found > 1 else "given: rank 0's share, the largest"
+
+
+_TP_MISMATCH = (f"{_FEATURE} needs tensor_parallel_size to be the size AutoTP sharded the model with, {{}}, got {{}}. "
+                f"Leave it out, or give the config's tensor_parallel.autotp_size.")
+
+
 def _rank_heads(heads, key_heads, ranks):
     """One rank's query and key/value heads under Ulysses sequence parallelism over ``ranks``: its share of each, or
     one key/value head where there are fewer than ranks (ALST replicates them). Raises, as ALST does, for heads it
@@ -2125,9 +2169,10 @@ def _layer_bytes(model, micro_batch_size, sequence_length, dtype, device, ranks,
         for heads, key_heads, head_dim in plan.geometry():
             heads, key_heads = _rank_heads(heads, key_heads, ranks)
             key = (record, heads, key_heads, head_dim)
-            if key not in layouts:
+            # No heads on this rank (AutoTP): no kernel, nothing kept.
+            if heads and key not in layouts:
                 layouts[key] = record.layout(record, device, dtype, sequence_length, heads, key_heads, head_dim)
-            nbytes += layouts[key].kept_bytes(micro_batch_size, heads, sequence_length, head_dim, dtype)
+            nbytes += heads and layouts[key].kept_bytes(micro_batch_size, heads, sequence_length, head_dim, dtype)
         yield plan, nbytes
 
 
@@ -2171,7 +2216,8 @@ def _check_unshared(model, layer_class, chosen):
                                           f"are stashed, or neither.")
 
 
-def _install_message(model, chosen, records, plans, others, sizes, micro_batch_size, sequence_length, ranks, offload):
+def _install_message(model, chosen, records, plans, others, sizes, micro_batch_size, sequence_length, ranks,
+                     tensor_parallel, offload):
     """The install's log line: what is stashed, at what cost (the planner's words where it cannot tell) and where, what
     is left out and why, the checkpoint mode and the implementations (``records``). It never raises."""
     dtype = _model_dtype(model)
@@ -2181,6 +2227,10 @@ def _install_message(model, chosen, records, plans, others, sizes, micro_batch_s
     count, how = ranks
     per_rank = (f" on each rank of Ulysses sequence parallelism over {count} ranks ({how}): its share of the heads "
                 f"over the whole sequence" if count > 1 else "")
+    if tensor_parallel[0] > 1:
+        none = not any(heads for plan in chosen for heads, *_ in plan.calls or [(1, )])
+        per_rank += (f" on this rank of AutoTP over {tensor_parallel[0]} ranks ({tensor_parallel[1]}): its share of "
+                     f"the heads{' (none: its calls are served without a kernel)' * none}")
     if sizes is not None:
         cost = (f"{sum(nbytes for _, nbytes in sizes):,} bytes per micro-batch in flight{per_rank} (micro-batch "
                 f"{micro_batch_size}, sequence {sequence_length})")
@@ -2190,8 +2240,8 @@ def _install_message(model, chosen, records, plans, others, sizes, micro_batch_s
             for plan, record in zip(chosen, records):
                 for heads, key_heads, head_dim in plan.geometry():
                     heads = _rank_heads(heads, key_heads, count)[0]
-                    ops = record.layout(record, None, dtype, None, heads, key_heads, head_dim)
-                    per_token += ops.kept_bytes(1, heads, 1, head_dim, dtype)
+                    ops = heads and record.layout(record, None, dtype, None, heads, key_heads, head_dim)
+                    per_token += heads and ops.kept_bytes(1, heads, 1, head_dim, dtype)
             cost = (f"{per_token:,} bytes per token of each micro-batch in flight in {dtype}{per_rank} (give "
                     f"micro_batch_size and sequence_length for the exact figure)")
         except (AttentionStashError, ValueError):
@@ -2224,21 +2274,29 @@ def _install_message(model, chosen, records, plans, others, sizes, micro_batch_s
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+def _planned(model, sequence_parallel_size, tensor_parallel_size, transformers_objects=None):
+    """The model's plans and left-out layers, with (Ulysses ranks, how known) and (AutoTP ranks, how known)."""
+    _, attention_functions = transformers_objects = transformers_objects or _entry_points()
+    plans, others = _model_plans(model, *transformers_objects)
+    tensor_parallel = _tensor_parallel_ranks(tensor_parallel_size, plans)
+    return plans, others, _sequence_parallel_ranks(sequence_parallel_size, plans, attention_functions), tensor_parallel
+
+
 def attention_stash_layer_bytes(model: torch.nn.Module,
                                 micro_batch_size: int,
                                 sequence_length: int,
                                 dtype: torch.dtype = None,
                                 device=None,
-                                sequence_parallel_size: int = None) -> int:
+                                sequence_parallel_size: int = None,
+                                tensor_parallel_size: int = None) -> int:
     """Bytes the model's last attention layer keeps per micro-batch in flight, stashed: an output plus its log-sum-exp
     per attention call, in the layout of the kernel that runs it (for sdpa, of the backend PyTorch picks on ``device``,
     DeepSpeed's accelerator by default) in ``dtype`` (the model's by default). For Qwen3-30B-A3B (32 query heads, head
     dimension 128) at micro-batch 4 and sequence 4096 in bfloat16: 136 MB. Raises, as the stash does, for a backend it
     cannot replay. Under DeepSpeed's Ulysses sequence parallelism (ALST), one rank's: its share of the heads over the
-    whole ``sequence_length``, over ``sequence_parallel_size`` ranks, else the registration's found, else 1."""
-    _, attention_functions = transformers_objects = _entry_points()
-    plans, _ = _model_plans(model, *transformers_objects)
-    ranks, _ = _sequence_parallel_ranks(sequence_parallel_size, plans, attention_functions)
+    whole ``sequence_length``, over ``sequence_parallel_size`` ranks, else the registration's found, else 1. Under
+    AutoTP, this rank's share of the heads, as sharded, else rank 0's over ``tensor_parallel_size`` ranks."""
+    plans, _, (ranks, _), _ = _planned(model, sequence_parallel_size, tensor_parallel_size)
     sizes = _layer_bytes(model, micro_batch_size, sequence_length, dtype or _model_dtype(model), device, ranks, plans)
     return next(sizes)[1]
 
@@ -2251,13 +2309,12 @@ def attention_stash_layers_for_budget(model: torch.nn.Module,
                                       dtype: torch.dtype = None,
                                       device=None,
                                       sequence_parallel_size: int = None,
-                                      offload: bool = False) -> int:
-    """The largest ``num_layers`` whose stash fits ``memory_budget`` bytes (one rank's under ALST); 0 where none does.
+                                      offload: bool = False,
+                                      tensor_parallel_size: int = None) -> int:
+    """The largest ``num_layers`` whose stash fits ``memory_budget`` bytes (a rank's under ALST, AutoTP); 0 for none.
     Each stashed layer keeps ``attention_stash_layer_bytes`` per micro-batch in flight: one, unless a schedule runs
     several forwards before their backwards (pipeline schedules). Offloaded, the device holds two layers' at most."""
-    _, attention_functions = transformers_objects = _entry_points()
-    plans, _ = _model_plans(model, *transformers_objects)
-    ranks, _ = _sequence_parallel_ranks(sequence_parallel_size, plans, attention_functions)
+    plans, _, (ranks, _), _ = _planned(model, sequence_parallel_size, tensor_parallel_size)
     sizes = _layer_bytes(model, micro_batch_size, sequence_length, dtype or _model_dtype(model), device, ranks, plans)
     return len(_fitting_layers(sizes, memory_budget, micro_batches_in_flight, offload))
 
@@ -2323,7 +2380,8 @@ def install_attention_stash(model: torch.nn.Module,
                             sequence_length: int = None,
                             micro_batches_in_flight: int = 1,
                             sequence_parallel_size: int = None,
-                            offload: bool = None) -> AttentionStashHandle:
+                            offload: bool = None,
+                            tensor_parallel_size: int = None) -> AttentionStashHandle:
     """Keep the attention output of the last ``num_layers`` decoder layers for their checkpoint recompute.
 
     ``model`` is a Hugging Face model loaded with ``attn_implementation="sdpa"``, ``"flash_attention_2"``,
@@ -2340,7 +2398,8 @@ def install_attention_stash(model: torch.nn.Module,
     the batch shape with ``num_layers`` makes the install's log line state the exact cost. Under DeepSpeed's Ulysses
     sequence parallelism (ALST), registered before or after the install, each rank keeps its share of the heads over
     the whole sequence: costs are one rank's, over ``sequence_parallel_size`` ranks where given, else the
-    registration's found at the install.
+    registration's found at the install. Under AutoTP, this rank's share of the heads, as sharded (after
+    ``deepspeed.initialize``), else rank 0's over ``tensor_parallel_size`` ranks, checked at the first forward.
 
     Under ``torch.compile`` (non-reentrant checkpointing; sdpa, flash-attn 2, or a Hub build whose kernels are custom
     ops) a stashed layer's checkpoint gets a selective-checkpointing policy that saves the kernel's outputs instead;
@@ -2367,8 +2426,8 @@ def install_attention_stash(model: torch.nn.Module,
     if memory_budget is not None and (micro_batch_size is None or sequence_length is None):
         raise TypeError(f"{_FEATURE} needs micro_batch_size and sequence_length with memory_budget, to size what each "
                         f"layer keeps.")
-    plans, others = _model_plans(model, layer_class, attention_functions)
-    ranks = _sequence_parallel_ranks(sequence_parallel_size, plans, attention_functions)
+    plans, others, ranks, tensor_parallel = _planned(model, sequence_parallel_size, tensor_parallel_size,
+                                                     (layer_class, attention_functions))
     if ranks[0] > 1:
         # Heads that the ranks cannot split are refused as ALST refuses them, with a batch shape or without.
         for plan in plans:
@@ -2405,10 +2464,11 @@ def install_attention_stash(model: torch.nn.Module,
                                       f"from the class.")
     _check_unshared(model, layer_class, chosen)
     message = _install_message(model, chosen, records, plans, others, sizes, micro_batch_size, sequence_length, ranks,
-                               offload)
+                               tensor_parallel, offload)
 
-    counters = _Counters(engine=None if offload is False else _ds_offload._ActivationOffloadEngine(
-        min_offload_bytes=0))
+    counters = _Counters(
+        engine=None if offload is False else _ds_offload._ActivationOffloadEngine(min_offload_bytes=0),
+        tensor_parallel=tensor_parallel_size)
     with _LOCK:
         for plan in chosen:
             if plan.layer in _STASHES:
