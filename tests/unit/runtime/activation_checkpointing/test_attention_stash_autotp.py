@@ -23,8 +23,14 @@ import transformers
 
 from attention_stash_flash import flash_attn_or_skip, use_flash_attention_2
 from attention_stash_flash3 import flash_kernels_or_skip
-from attention_stash_helpers import NUM_LAYERS, STOCK_FLASH, CountOps, bare_call, llama_model, reports_of_two_ranks
+from attention_stash_helpers import (NUM_LAYERS, STOCK_FLASH, CountOps, assert_stock_process, bare_call, batch_ids,
+                                     checkpointed, live_checkpoint_calls, llama_model, logged_messages,
+                                     reports_of_two_ranks)
 from deepspeed.runtime.activation_checkpointing import attention_stash
+from deepspeed.runtime.activation_checkpointing.attention_stash import (AttentionStashError,
+                                                                        attention_stash_layer_bytes,
+                                                                        attention_stash_layers_for_budget,
+                                                                        install_attention_stash)
 from test_attention_stash_meta import BACKENDS, use_backend_on_meta
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "attention_stash_autotp_ranks.py")
@@ -170,6 +176,61 @@ def test_hugging_faces_flash_path_refuses_a_rank_without_heads(monkeypatch):
     empty = torch.empty(2, 0, 32, HEAD_DIM, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="Tensor query has shape  with a zero dimension"):
         STOCK_FLASH(module, empty, empty, empty, None)
+
+
+@pytest.mark.parametrize("heads, key_heads, ranks, rank_0_heads", [(4, 2, 2, 2), (6, 3, 2, 4), (8, 4, 3, 4),
+                                                                   (4, 1, 2, 4), (8, 2, 4, 4)])
+def test_a_size_given_before_the_sharding_plans_rank_0s_share(install, heads, key_heads, ranks, rank_0_heads):
+    """tensor_parallel_size on an unsharded model: rank 0's share, the largest, by DeepSpeed's split (its key/value
+    heads split, the remainder to the first ranks; each with its query heads), as the planners and the install line
+    count it, with a batch shape and without."""
+    model = checkpointed(
+        llama_model(hidden_size=heads * HEAD_DIM, num_attention_heads=heads, num_key_value_heads=key_heads))
+    expected = layer_bytes(rank_0_heads, 32)
+    assert attention_stash_layer_bytes(model, 2, 32, device="cpu", tensor_parallel_size=ranks) == expected
+    assert attention_stash_layers_for_budget(model, 2 * expected, 2, 32, device="cpu", tensor_parallel_size=ranks) == 2
+    with logged_messages() as messages:
+        install(model, NUM_LAYERS, micro_batch_size=2, sequence_length=32, tensor_parallel_size=ranks).remove()
+        install(model, memory_budget=expected, micro_batch_size=2, sequence_length=32, tensor_parallel_size=ranks)
+    assert (f"keeping the attention output of {NUM_LAYERS} of {NUM_LAYERS} attention layers (model.layers.0 to "
+            f"model.layers.2) for their recompute: {NUM_LAYERS * expected:,} bytes per micro-batch in flight on this "
+            f"rank of AutoTP over {ranks} ranks (given: rank 0's share, the largest): its share of the heads "
+            f"(micro-batch 2, sequence 32)") in messages[0]
+    assert f"keeping the attention output of 1 of {NUM_LAYERS}" in messages[1]
+
+
+def test_autotp_composes_with_ulysses_in_the_planner():
+    """8 query and 4 key/value heads, AutoTP over 2 ranks and ALST over 2: a rank keeps 2 query heads over the whole
+    sequence (4 of AutoTP's, halved by ALST)."""
+    model = checkpointed(llama_model(num_attention_heads=8, num_key_value_heads=4, head_dim=HEAD_DIM))
+    assert attention_stash_layer_bytes(model, 2, 32, device="cpu", sequence_parallel_size=2,
+                                       tensor_parallel_size=2) == layer_bytes(2, 32)
+
+
+@pytest.mark.parametrize("size, error, message", [(0, ValueError, "a positive tensor_parallel_size, got 0"),
+                                                  (2.0, TypeError, "an integer tensor_parallel_size, got float"),
+                                                  (True, TypeError, "an integer tensor_parallel_size, got bool")])
+def test_a_tensor_parallel_size_that_is_not_a_positive_integer_is_refused(size, error, message):
+    model = checkpointed(llama_model())
+    with pytest.raises(error, match=message):
+        install_attention_stash(model, 1, tensor_parallel_size=size)
+    with pytest.raises(error, match=message):
+        attention_stash_layer_bytes(model, 2, 32, device="cpu", tensor_parallel_size=size)
+    assert_stock_process()
+
+
+def test_a_size_given_for_a_model_that_is_never_sharded_is_refused_at_the_first_forward(install):
+    """tensor_parallel_size 2 given, and no AutoTP ever shards the model: the first training forward raises, naming
+    both sizes, before any attention call keeps anything; the next forward is served (asked once per install)."""
+    model = checkpointed(llama_model())
+    handle = install(model, NUM_LAYERS, tensor_parallel_size=2)
+    ids = batch_ids()
+    with pytest.raises(AttentionStashError,
+                       match=r"tensor_parallel_size to be the size AutoTP sharded the model with, 1, got 2\."):
+        model(input_ids=ids, labels=ids)
+    assert (handle.num_kept, handle.kept_bytes) == (0, 0) and live_checkpoint_calls() == []
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert handle.recomputes_served == NUM_LAYERS
 
 
 # (query shape, key and value shape) of attention calls with an empty dimension: no heads (a rank AutoTP gives none),
