@@ -21,7 +21,7 @@ Contents, in reading order:
   kernel's): how the stash's copy of Hugging Face's function reaches the checkpoint call, how its kernels are loaded
   and checked, its planner geometry.
 - The hold on Hugging Face's objects: the layer class's checkpoint-function slot and the interface's entries.
-- Discovery and the planner: a plan per attention layer, made once per install, and the bytes it keeps.
+- Discovery and the planner: a plan per attention layer, made once per install, and a rank's bytes (ALST, AutoTP).
 - The installer and the handle: ``install_attention_stash``, ``AttentionStashHandle``, and the planner's functions.
 """
 

@@ -40,8 +40,10 @@ ORDERS = ("before", "after")
 HEAD_DIM = 16
 # transformers >= 5.23 breaks DeepSpeed 0.19.8's AutoEP in deepspeed.initialize (test_attention_stash_deepspeed.py).
 AUTOEP_BROKEN = tuple(int(part) for part in transformers.__version__.split(".")[:2]) >= (5, 23)
-# flash-attn 2 and 3 (their Python layers over CPU stand-ins), vLLM's Hub build (mirrored), and flash-attn 4's double.
-FLASH = ("flash_attention_2", "flash_attention_3", "kernels-community/vllm-flash-attn3", "flash_attention_4")
+# flash-attn 2 and 3 (their Python layers over CPU stand-ins), the three Hub builds (mirrored local repositories), and
+# flash-attn 4's double at its newest release read.
+FLASH = ("flash_attention_2", "flash_attention_3", "kernels-community/flash-attn2", "kernels-community/flash-attn3",
+         "kernels-community/vllm-flash-attn3", "flash_attention_4")
 
 
 def layer_bytes(heads, sequence, batch=2, element=4):
