@@ -297,6 +297,30 @@ def test_what_the_compiled_path_cannot_serve_is_refused_at_the_first_compiled_st
     assert isinstance(error, AttentionStashError) and message in str(error)
 
 
+@pytest.mark.parametrize("order", ["install_then_compile", "compile_then_install"])
+@pytest.mark.usefixtures("traceable_kernels")
+def test_offload_true_is_refused_at_the_first_compiled_step(install, order):
+    """An install with offload=True, whose kept outputs a compiled graph cannot hand to an offload engine (it saves
+    them itself): the first compiled step with aot_eager raises, naming it, whether the install came before
+    torch.compile or after a compiled model's warm step (which it recompiles); nothing is kept."""
+    model = checkpointed(llama_model(), use_reentrant=False)
+    torch._dynamo.reset()
+    handle = install(model, NUM_LAYERS, offload=True) if order == "install_then_compile" else None
+    compiled = torch.compile(model, backend="aot_eager", dynamic=False)
+    if handle is None:
+        compiled(**inputs(False)).loss.backward()
+        handle = install(model, NUM_LAYERS, offload=True)
+    with pytest.raises((AttentionStashError, torch._dynamo.exc.BackendCompilerFailed)) as raised:
+        compiled(**inputs(False)).loss.backward()
+    torch._dynamo.reset()
+    error = getattr(raised.value, "inner_exception", raised.value)
+    assert isinstance(error, AttentionStashError) and (
+        "attention stash needs its kept outputs on the device for the compiled checkpoint of model.layers.0, got "
+        "offload=True: the compiled graph saves them itself. Install with offload=None, or remove the stash "
+        "(handle.remove()).") in str(error)
+    assert (handle.num_kept, handle.compiled_layers) == (0, ()) and live_checkpoint_calls() == []
+
+
 def use_flash(monkeypatch, tmp_path_factory, implementation):
     """Hugging Face's path for a flash ``implementation`` made to run on this machine (see attention_stash_flash and
     attention_stash_flash3), its kernels imported, as the install would: Hugging Face imports them at its first call,
@@ -451,8 +475,9 @@ def test_a_batch_packed_by_position_ids_alone_breaks_the_graph_and_is_refused(in
 
     # torch._dynamo.config.patch rather than monkeypatch, whose undo deletes a config module's setting.
     scalars = torch._dynamo.config.patch(capture_scalar_outputs=captured, capture_dynamic_output_shape_ops=captured)
-    varlen = torch.ops.flash_attn._flash_attn_varlen_forward.default
+    # The varlen op exists once flash-attn imports: after use_flash, which skips with its reason where it does not.
     use_flash(monkeypatch, tmp_path_factory, "flash_attention_2")
+    varlen = torch.ops.flash_attn._flash_attn_varlen_forward.default
     batch = packed_inputs(cu_seq_lens=False)
     counters.clear()
     with scalars:

@@ -387,6 +387,26 @@ def test_frozen_attention_sinks_are_served(install, monkeypatch, tmp_path_factor
     assert live_tensors(before, model, counted=real_2d) == []
 
 
+@MODES
+def test_frozen_sinks_cast_to_the_querys_dtype_in_each_pass_are_served(install, monkeypatch, tmp_path_factory,
+                                                                       use_reentrant):
+    """gpt-oss's frozen sinks kept in float32 in a bfloat16 model reach vLLM's flash-attn 3 as s_aux, a new bfloat16
+    tensor in each pass (the integration casts them to the query's dtype) with equal values: compared by value, as
+    flash-attn 4's learnable_sink is, and served bitwise in both modes."""
+    repo_id = HUBS[2]
+    use_hub_kernel(monkeypatch, tmp_path_factory, repo_id)
+    model = _gpt_oss_model(repo_id, frozen_sinks=True, use_reentrant=use_reentrant)
+    for layer in model.model.layers:
+        layer.self_attn.sinks.data = layer.self_attn.sinks.data.float()
+    inputs, _ = make_batch("plain")
+    expected_loss, expected, _ = counted_step(model, inputs, kernel_op, whole_step=True)
+    handle = install(model, 2)
+    loss, grads, calls = counted_step(model, inputs, kernel_op, whole_step=True)
+    assert calls == {"fwd": 2, "bwd": 2} and handle.recomputes_served == 2
+    assert torch.equal(loss, expected_loss)
+    assert_same_grads(grads, expected)
+
+
 @pytest.mark.parametrize("cast", [False, True], ids=["same_tensor", "cast_each_pass"])
 def test_frozen_sinks_changed_between_the_passes_are_refused(install, monkeypatch, tmp_path_factory, cast):
     """Frozen sinks changed in place between the forward and the backward: the kept output is of the old ones, so the

@@ -104,6 +104,41 @@ def test_stash_under_the_policy(install, model_name):
     _assert_same_training(both, plain)
 
 
+def _mm_saved():
+    """A user's policy that saves the matmuls, whatever kernel runs the attention."""
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.mm.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+@pytest.mark.parametrize("setup", ["flash_attention_3", "activation_memory_budget_0"])
+def test_an_eager_policy_is_served_without_the_compiled_checks(install, monkeypatch, setup):
+    """A checkpoint's own policy in eager training, beside the stash: the checks of the compiled path (kernels dynamo
+    cannot trace, AOTAutograd's activation_memory_budget at 0) do not apply, since nothing is compiled. flash-attn 3,
+    whose kernel functions dynamo cannot trace, and sdpa under a budget of 0: bitwise as under the policy alone, each
+    recompute served."""
+    from attention_stash_flash3 import flash_kernels_or_skip, use_flash_attention_3
+
+    def make_model():
+        model = llama_model()
+        if setup == "flash_attention_3":
+            model.config._attn_implementation = "flash_attention_3"
+        return checkpointed(model, use_reentrant=False, context_fn=_mm_saved)
+
+    if setup == "flash_attention_3":
+        flash_kernels_or_skip()
+        use_flash_attention_3(monkeypatch)
+    with torch._functorch.config.patch(activation_memory_budget=0.0 if setup.endswith("_0") else 1.0):
+        policy = _train(make_model())
+        model = make_model()
+        handle = install(model, num_layers=NUM_LAYERS)
+        both = _train(model, handle)
+    assert handle.recomputes_served == NUM_LAYERS * STEPS and handle.compiled_layers == ()
+    _assert_same_training(both, policy)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # TRL's selective checkpointing (gradient_checkpointing_kwargs={"selective": True}), the one-flag alternative, and the
 # stash on the same model: the stash serves every recompute and keeps the one copy of every stashed layer's attention
