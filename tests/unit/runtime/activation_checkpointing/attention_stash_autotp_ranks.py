@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""Run by test_attention_stash_autotp.py under torchrun with two ranks over gloo: the stash under DeepSpeed's AutoTP
+"""Run by test_attention_stash_autotp.py under torchrun with two ranks over gloo (three for "qwen3_tp3", AutoTP at TP 3,
+whose ranks are every rank torchrun starts): the stash under DeepSpeed's AutoTP
 (tensor parallelism), which shards q/k/v/o and the MLP by the model's tp_plan at ``deepspeed.initialize`` when the
 config has ``"tensor_parallel": {"autotp_size": 2}`` (or after ``deepspeed.tp_model_init``), so that each rank's
 attention runs on its own heads.
@@ -37,15 +38,17 @@ from attention_stash_ulysses_flash_ranks import FlashForwardCalls, use_flash  # 
 from deepspeed.runtime.activation_checkpointing import attention_stash  # noqa: E402
 from deepspeed.runtime.activation_checkpointing.attention_stash import AttentionStashError  # noqa: E402
 
-RANKS = 2
+# The tensor-parallel size: every rank torchrun starts (two; three for "qwen3_tp3").
+RANKS = int(os.environ.get("WORLD_SIZE", "2"))
 
 
-def qwen3_model():
-    """A tiny dense Qwen3 (norms of the queries and keys before RoPE) with 6 query and 3 key/value heads."""
+def qwen3_model(heads=6, key_heads=3):
+    """A tiny dense Qwen3 (norms of the queries and keys before RoPE) with ``heads`` query and ``key_heads``
+    key/value heads."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     return _tiny(Qwen3ForCausalLM, Qwen3Config, torch.float32, dict(head_dim=16),
-                 dict(num_attention_heads=6, num_key_value_heads=3))
+                 dict(num_attention_heads=heads, num_key_value_heads=key_heads))
 
 
 def config(stage=0, **extra):
@@ -196,6 +199,9 @@ def main():
     for implementation in sys.argv[2:]:
         if implementation == "sdpa":
             sdpa(report)
+        elif implementation == "qwen3_tp3":
+            # 8 query and 4 key/value heads over 3 ranks: DeepSpeed gives rank 0 two key/value heads, ranks 1 and 2 one.
+            cases(report, "qwen3_tp3", lambda: qwen3_model(8, 4), config(), "plain", ("before", "after"))
         else:
             flash(report, implementation, sys.argv[1], rank)
     with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as file:

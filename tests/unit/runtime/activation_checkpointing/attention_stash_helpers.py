@@ -153,21 +153,21 @@ def torchrun():
     raise AssertionError(f"no torchrun next to {sys.executable} or on PATH; torch installs it as a console script")
 
 
-def run_on_two_ranks(script, *args):
-    """``script`` with ``args`` under torchrun on two ranks and a free port, outside the caller's launcher environment;
-    fails with the end of its output unless it succeeds. Returns the completed process."""
+def run_on_two_ranks(script, *args, ranks=2):
+    """``script`` with ``args`` under torchrun on two ranks (or ``ranks``) and a free port, outside the caller's
+    launcher environment; fails with the end of its output unless it succeeds. Returns the completed process."""
     environment = {
         name: value
         for name, value in os.environ.items()
         if name not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     }
-    command = [*torchrun(), "--nproc_per_node", "2", "--master_port", free_port()]
+    command = [*torchrun(), "--nproc_per_node", str(ranks), "--master_port", free_port()]
     result = subprocess.run([*command, script, *args], env=environment, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     return result
 
 
-def reports_of_two_ranks(tmp_path_factory, name, script, *args):
+def reports_of_two_ranks(tmp_path_factory, name, script, *args, ranks=2):
     """Each rank's JSON report (``rank<N>.json``) of ``script`` run with ``args`` by run_on_two_ranks into a folder
     ``name``, once per pytest run: under pytest-xdist, in the run's temporary folder that its workers share, the first
     worker to ask runs the pair under a file lock and the others wait for it and read what it wrote (pytest-xdist's
@@ -182,10 +182,10 @@ def reports_of_two_ranks(tmp_path_factory, name, script, *args):
     with FileLock(f"{folder}.lock"):
         if not (folder / "done").is_file():
             folder.mkdir(exist_ok=True)
-            run_on_two_ranks(script, str(folder), *args)
+            run_on_two_ranks(script, str(folder), *args, ranks=ranks)
             (folder / "done").touch()
-    found = [json.loads((folder / f"rank{rank}.json").read_text()) for rank in range(2)]
-    assert sorted(report["rank"] for report in found) == [0, 1]
+    found = [json.loads((folder / f"rank{rank}.json").read_text()) for rank in range(ranks)]
+    assert sorted(report["rank"] for report in found) == list(range(ranks))
     return found
 
 

@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""The stash under DeepSpeed's AutoTP (tensor parallelism) on two ranks over gloo, on CPU, and attention calls with an
-empty dimension.
+"""The stash under DeepSpeed's AutoTP (tensor parallelism) on two ranks over gloo (three for Qwen3 at TP 3), on CPU, and
+attention calls with an empty dimension.
 
 AutoTP shards q/k/v/o by the model's tp_plan at ``deepspeed.initialize`` (the config's
 ``tensor_parallel.autotp_size``, or ``deepspeed.tp_model_init``), so each rank's attention runs on its share of the
@@ -104,6 +104,24 @@ def test_key_value_heads_that_do_not_divide_follow_deepspeeds_split(reports, mod
     plans rank 0's, the largest."""
     for report in reports:
         case = report[f"qwen3_uneven_{mode}_{order}"]
+        assert_served(case, layer_bytes(4 if report["rank"] == 0 else 2, 32))
+        if order == "before":
+            assert case["planned_given"] == layer_bytes(4, 32)
+
+
+@pytest.fixture(scope="module")
+def three_ranks(tmp_path_factory):
+    return reports_of_two_ranks(tmp_path_factory, "autotp_three", SCRIPT, "qwen3_tp3", ranks=3)
+
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("mode", MODES)
+def test_qwen3_at_tp_3_follows_deepspeeds_split(three_ranks, mode, order):
+    """A dense Qwen3 with 8 query and 4 key/value heads over 3 ranks (AutoTP at TP 3): DeepSpeed gives rank 0 two
+    key/value heads (4 query heads), ranks 1 and 2 one each (2): each rank is served bitwise and keeps and is planned
+    its own share after the sharding; before it, the size given plans rank 0's."""
+    for report in three_ranks:
+        case = report[f"qwen3_tp3_{mode}_{order}"]
         assert_served(case, layer_bytes(4 if report["rank"] == 0 else 2, 32))
         if order == "before":
             assert case["planned_given"] == layer_bytes(4, 32)
