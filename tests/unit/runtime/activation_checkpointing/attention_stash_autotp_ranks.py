@@ -33,7 +33,7 @@ import torch  # noqa: E402
 from attention_stash_flash import make_batch  # noqa: E402
 from attention_stash_helpers import CPU_FORWARD, NUM_LAYERS, CountOps, assert_stock_process, checkpointed  # noqa: E402
 from attention_stash_helpers import deepspeed_config  # noqa: E402
-from attention_stash_helpers import _tiny, llama_model, mixtral_model, param_grads  # noqa: E402
+from attention_stash_helpers import _tiny, live_checkpoint_calls, llama_model, mixtral_model, param_grads  # noqa: E402
 from attention_stash_ulysses_flash_ranks import FlashForwardCalls, use_flash  # noqa: E402
 from deepspeed.runtime.activation_checkpointing import attention_stash  # noqa: E402
 from deepspeed.runtime.activation_checkpointing.attention_stash import AttentionStashError  # noqa: E402
@@ -89,20 +89,24 @@ def train(make_model, ds_config, use_reentrant, kind, implementation="sdpa", sta
     case["attention_forwards"] = forwards + [ops.calls[CPU_FORWARD] + sum(flash_calls.calls.values())]
     grads = param_grads(engine.module)
     engine.step()
+    loss = loss.detach()  # the step's graph, and the checkpoints' calls it holds, go with it
     params = {name: param.detach().clone() for name, param in engine.module.named_parameters()}
     if handle is not None:
-        case.update(served=handle.recomputes_served,
-                    kept_after_step=handle.num_kept,
-                    peak_kept_bytes=handle.peak_kept_bytes,
-                    planned=attention_stash.attention_stash_layer_bytes(engine.module, batch, sequence, device="cpu"),
-                    fitting=attention_stash.attention_stash_layers_for_budget(engine.module,
-                                                                              handle.peak_kept_bytes,
-                                                                              batch,
-                                                                              sequence,
-                                                                              device="cpu"),
-                    install_line=handle.summary)
+        case.update(
+            served=handle.recomputes_served,
+            kept_after_step=handle.num_kept,
+            # What gc finds alive of the stash's per-call objects, which hold what a first pass kept.
+            live_after_step=len(live_checkpoint_calls()),
+            peak_kept_bytes=handle.peak_kept_bytes,
+            planned=attention_stash.attention_stash_layer_bytes(engine.module, batch, sequence, device="cpu"),
+            fitting=attention_stash.attention_stash_layers_for_budget(engine.module,
+                                                                      handle.peak_kept_bytes,
+                                                                      batch,
+                                                                      sequence,
+                                                                      device="cpu"),
+            install_line=handle.summary)
         handle.remove()
-    return (loss.detach(), grads, params), case
+    return (loss, grads, params), case
 
 
 def same(first, second):

@@ -67,7 +67,7 @@ def assert_served(case, expected_bytes, forwards=NUM_LAYERS):
     """A stashed step bitwise against AutoTP alone, every recompute served without an attention forward, nothing kept
     after it, and the planner's bytes per layer (found after the sharding) what the rank kept."""
     assert case["bitwise"] is True
-    assert case["served"] == NUM_LAYERS and case["kept_after_step"] == 0
+    assert case["served"] == NUM_LAYERS and case["kept_after_step"] == case["live_after_step"] == 0
     assert case["kept_after_forward"] == case["peak_kept_bytes"] == NUM_LAYERS * expected_bytes
     assert case["planned"] == expected_bytes
     assert case["fitting"] == NUM_LAYERS
