@@ -36,6 +36,10 @@ from test_attention_stash_meta import BACKENDS, use_backend_on_meta
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "attention_stash_autotp_ranks.py")
 MODES = ("reentrant", "non_reentrant")
 ORDERS = ("before", "after")
+# (mode, install order) of a setup run in each mode and each order once (the script's ALTERNATE), and of one run in
+# every pair: plain sdpa, the uneven splits, a rank without heads.
+ALTERNATED = [("reentrant", "after"), ("non_reentrant", "before")]
+EVERY_PAIR = [(mode, order) for mode in MODES for order in ORDERS]
 # Every tiny model's head dimension 16; float32 for sdpa, bfloat16 for flash; the log-sum-exp float32.
 HEAD_DIM = 16
 # transformers >= 5.23 breaks DeepSpeed 0.19.8's AutoEP in deepspeed.initialize (test_attention_stash_deepspeed.py).
@@ -75,9 +79,10 @@ def assert_served(case, expected_bytes, forwards=NUM_LAYERS):
     assert case["attention_forwards"] == [forwards, 0]
 
 
-@pytest.mark.parametrize("order", ORDERS)
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("setup", ["sdpa_plain", "sdpa_padded", "sdpa_packed", "tp_model_init", "zero1", "zero2"])
+@pytest.mark.parametrize("setup, mode, order", [("sdpa_plain", mode, order) for mode, order in EVERY_PAIR] +
+                         [(setup, mode, order)
+                          for setup in ("sdpa_padded", "sdpa_packed", "tp_model_init", "zero1", "zero2")
+                          for mode, order in ALTERNATED])
 def test_autotp_is_served_bitwise_and_planned_per_rank(reports, setup, mode, order):
     """4 query and 2 key/value heads over 2 ranks: each rank keeps 2 query heads, as the planner counts them before
     the sharding (the size given) and after it (found); the install line says whose share and how it is known."""
@@ -169,8 +174,7 @@ def test_autoep_with_autotp_is_refused_by_deepspeed_itself(reports):
         assert report["autoep_refused"] == expected
 
 
-@pytest.mark.parametrize("order", ORDERS)
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode, order", ALTERNATED)
 @pytest.mark.parametrize("kind", ["plain", "packed"])
 @pytest.mark.parametrize("implementation", FLASH)
 def test_flash_implementations_under_autotp(flash_reports, implementation, kind, mode, order):
