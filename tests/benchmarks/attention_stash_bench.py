@@ -90,7 +90,7 @@ PRESETS = {
          warmup=2,
          steps=6),
     # Llama-8B's attention (32 query heads, 8 key/value heads, head dim 128, hidden 4096) in two dense layers, for
-    # long sequences on one GPU: gpu_check.sh sweeps it over 8k, 16k and 32k tokens.
+    # long sequences on one GPU: gpu_check.sh long sweeps it over 8k, 16k and 32k tokens.
     "llama-8b-long":
     dict(device="cuda",
          dtype="bfloat16",

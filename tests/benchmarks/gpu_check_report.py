@@ -1,17 +1,19 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""The GPU check's Python side (gpu_check.sh): the fresh venv, what an environment holds, and RESULTS.md.
+"""The GPU check's Python side (gpu_check.sh): the fresh venv, what an environment holds, and each command's report.
 
     python gpu_check_report.py venv DIR                   # a fresh venv that sees this interpreter's packages
     python gpu_check_report.py probe --out P.json [--venv DIR] [--target DIR] [--device cuda] [WHEEL ...]
     python gpu_check_report.py flash4-wheels DIR          # DIR's newest flash-attn-4 wheel and its dependencies' there
+                                                          # (gpu_check.sh keeps them out of its venv)
     python gpu_check_report.py report --work DIR --out DIR
 
-``report`` reads what the steps left in the work folder (meta.tsv, steps.tsv, the probes, the logs) and in the output
-folder (the junit XML of each suite leg, the benchmark's and the op-level figures' JSON) and writes RESULTS.md there.
-A step that failed or timed out is reported as such, with the end of its log, and every section that lacks its input
-says which step it waited for; one skipped for a reason (its status "skipped: REASON") is not a failure.
+``report`` reads what one command's steps left in its work folder (meta.tsv, which names the command, steps.tsv,
+skipped.tsv, the probes, the logs) and in the output folder (the junit XML of its pytest steps, the benchmark's and
+the op-level figures' JSON) and writes RESULTS-<command>.md there. A step that failed or timed out is reported as
+such, with the end of its log, and every section that lacks its input says which step it waited for; one skipped for
+a reason (its status "skipped: REASON") is not a failure. Each report says what its command skipped and why.
 """
 
 import argparse
@@ -27,13 +29,35 @@ import xml.etree.ElementTree as ElementTree
 import zipfile
 
 # The GPU tests: every CUDA case, the replay against autograd on each backend (its CPU case too) and the AutoEP step,
-# which runs on CUDA where there is one. Matched against the test's name with its parameters.
+# which runs on CUDA where there is one (the protocol's). Matched against the test's name with its parameters.
 GPU_TESTS = re.compile(r"cuda|replay_matches_autograd|autoep_engine_step")
 # The seed's figures on an H100 at the Qwen3-30B-A3B preset, and the planner's bytes per layer there.
 H100_SAVED_MS = 0.93
 H100_FA3_FORWARD_MS = 0.95
 PRESET_PLANNER_BYTES = 136_314_880
 LEGS = (("image", "the image's transformers"), ("wheel", "transformers from the wheel folder"))
+# gpu_check.sh's commands, each a device call of its own with its own report, RESULTS-<command>.md.
+COMMANDS = {
+    "protocol": "the seed's protocol: its GPU tests (the replay against autograd, the AutoEP engine step), the "
+    "stashed-layer sweep and the op-level figures, under the image's transformers",
+    "suite": "the suite's CUDA tests under both transformers, the peer comparison (TRL's selective), the offload leg "
+    "and flash-attn 4",
+    "long": "the long-sequence sweep",
+}
+# The benchmark's run in each command, its step and its files under the output folder (STEP.json, STEP.png).
+BENCH_STEPS = {"protocol": "sweep", "suite": "peer"}
+BENCH_TITLES = {
+    "sweep": "the stashed-layer sweep",
+    "peer": "the peer comparison (TRL's selective)",
+}
+# What each command leaves in the output folder: the device tool brings 8 files back at most.
+FILES = {
+    "protocol": "RESULTS-protocol.md, gpu_check-protocol.log (every step's log), junit-seed.xml, sweep.json, "
+    "sweep.png, op_figures.json",
+    "suite": "RESULTS-suite.md, gpu_check-suite.log (every step's log), junit-image.xml, junit-wheel.xml, "
+    "peer.json, peer.png (the offload leg's figures and flash-attn 4's outcomes are above)",
+    "long": "RESULTS-long.md, gpu_check-long.log (every step's log), long.json",
+}
 LOG_TAIL_LINES = 40
 # A step's status when it was skipped for a reason, which is not a failure ("skipped (out of time)" is one).
 SKIPPED = "skipped: "
@@ -96,7 +120,7 @@ def probe(args):
         smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
                              capture_output=True,
                              text=True,
-                             timeout=30)
+                             timeout=10)
         if smi.returncode == 0 and smi.stdout.strip():
             info["smi_gpu"], info["driver"] = [part.strip() for part in smi.stdout.splitlines()[0].split(",")][:2]
     except (OSError, subprocess.SubprocessError):
@@ -173,7 +197,7 @@ def flash4_wheels(folder):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# RESULTS.md
+# RESULTS-<command>.md
 # ---------------------------------------------------------------------------------------------------------------------
 
 
@@ -269,13 +293,17 @@ class Report:
     def __init__(self, work, out):
         self.work, self.out = work, out
         self.meta = {row["key"]: row["value"] for row in _read_tsv(os.path.join(work, "meta.tsv"), ["key", "value"])}
+        self.command = self.meta.get("command", "suite")
+        self.legs = [leg for leg in self.meta.get("legs", "image wheel").split() if leg in dict(LEGS)]
         self.steps = _read_tsv(os.path.join(work, "steps.tsv"),
                                ["name", "status", "rc", "seconds", "limit", "command"])
         self.step = {row["name"]: row for row in self.steps}
         self.probes = {leg: _load_json(os.path.join(work, f"probe-{leg}.json")) for leg, _ in LEGS}
-        self.bench = _load_json(os.path.join(out, "bench.json"))
-        self.op = _load_json(os.path.join(out, "op_figures.json"))
-        self.long = _load_json(os.path.join(out, "long.json"))
+        # The benchmark's run of this command: the stashed-layer sweep (protocol) or the peer comparison (suite).
+        self.bench_step = BENCH_STEPS.get(self.command)
+        self.bench = _load_json(os.path.join(out, f"{self.bench_step}.json")) if self.bench_step else None
+        self.op = _load_json(os.path.join(out, "op_figures.json")) if self.command == "protocol" else None
+        self.long = _load_json(os.path.join(out, "long.json")) if self.command == "long" else None
         # The offload leg's JSON by step name (offload-LENGTH), in the work folder.
         self.offload = {
             name[:-len(".json")]: _load_json(os.path.join(work, name))
@@ -302,27 +330,78 @@ class Report:
             return f"transformers {version} (REUSED: no transformers wheel at hand)"
         return f"transformers {version} ({dict(LEGS)[leg]})"
 
+    def _cases(self, step, junit):
+        """A pytest step's test cases, from its junit XML or, where it left none, from its log; and which it was."""
+        try:
+            return junit_cases(junit), "junit XML"
+        except (OSError, ElementTree.ParseError):
+            return log_cases(os.path.join(self.work, "logs", f"{step}.log")), "pytest -v log (no junit)"
+
+    def _unfinished(self, step):
+        row = self.step.get(step)
+        if row and row["status"] != "passed":
+            self.add(
+                f"The run {row['status']} (rc {row['rc']}, {row['seconds']} s of {row['limit']}): the "
+                f"tables hold the tests that finished.", "")
+
+    def _cases_table(self, cases):
+        self.add(*_table(["test", "outcome", "seconds", "message"], [[
+            case["id"], case["outcome"], "-" if case["seconds"] is None else f"{case['seconds']:.2f}", case["message"]
+        ] for case in cases]))
+        self.add("")
+
     def header(self):
         mode = self.meta.get("mode", "?")
-        self.add("# Attention stash: GPU check", "")
+        self.add(f"# Attention stash: GPU check, {self.command}", "")
         self.add(f"- Date: {self.meta.get('date', '?')} (report written "
                  f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M:%S} UTC)")
+        self.add(f"- Command: `gpu_check.sh {self.command}`: {COMMANDS.get(self.command, '?')}")
         if mode == "dry-run":
             self.add("- Mode: DRY RUN on CPU at tiny shapes (`gpu_check.sh --dry-run`): every step's command, the "
                      "offline install into a fresh venv and this report, not a GPU result")
         else:
             self.add("- Mode: GPU (`gpu_check.sh`)")
-        for key, label in (("commit", "Commit"), ("host", "Host"), ("budget", "Time budget (s)")):
+        for key, label in (("commit", "Commit"), ("host", "Host")):
             self.add(f"- {label}: {self.meta.get(key, '?')}")
+        self.add(self._budget_line())
         failed = [row["name"] for row in self.steps if not self.passed(row)]
         skipped = [row["name"] for row in self.steps if row["status"].startswith(SKIPPED)]
         passed = f"- Steps: {len(self.steps) - len(failed) - len(skipped)} of {len(self.steps)} passed"
         passed += f"; skipped, not failed: {', '.join(skipped)}" if skipped else ""
         self.add(passed + (f"; not passed: {', '.join(failed)}" if failed else ""), "")
 
+    def _budget_line(self):
+        budget, default = self.meta.get("budget", "?"), self.meta.get("budget_default", "?")
+        try:
+            setup, steps, report, margin = (int(part) for part in self.meta["budget_parts"].split())
+            limit, two_limit, two = (int(part) for part in self.meta["budget_limits"].split())
+        except (KeyError, ValueError):
+            return f"- Time budget (s): {budget}"
+        if self.meta.get("mode") == "dry-run" and budget == str(int(default) * int(self.meta.get("dry_factor", 1))):
+            which = f"the dry run's: {self.meta['dry_factor']} x the default {default} s"
+        elif budget == default:
+            which = "the default"
+        else:
+            which = f"GPU_CHECK_BUDGET; the default is {default} s"
+        return (f"- Time budget: {budget} s ({which}); on the GPU the caps need setup {setup} s + steps {steps} s + "
+                f"report {report} s + margin {margin} s = {setup + steps + report + margin} s of the default "
+                f"{default} s, at most {limit} s a call; protocol and suite together {two} s of {two_limit} s")
+
+    def skipped(self):
+        self.add("## Skipped here, and why", "")
+        lines = [
+            f"- `{row['name']}`: {row['status'][len(SKIPPED):]}" for row in self.steps
+            if row["status"].startswith(SKIPPED)
+        ]
+        lines += [
+            f"- {row['what']}: {row['why']}"
+            for row in _read_tsv(os.path.join(self.work, "skipped.tsv"), ["what", "why"])
+        ]
+        self.add(*(lines or ["Nothing."]), "")
+
     def versions(self):
         self.add("## Versions", "")
-        if not any(self.probes.values()):
+        if not any(self.probes[leg] for leg in self.legs):
             self.waited("probe-image", "the versions")
             return
         rows = []
@@ -332,10 +411,10 @@ class Report:
                   ("interpreter", lambda p: p["executable"]), ("torch", lambda p: p["torch"]),
                   ("CUDA (torch)", lambda p: p.get("cuda") or "-"), ("cuDNN", lambda p: p.get("cudnn") or "-"))
         for label, field in fields:
-            rows.append([label] + [field(self.probes[leg]) if self.probes[leg] else "-" for leg, _ in LEGS])
+            rows.append([label] + [field(self.probes[leg]) if self.probes[leg] else "-" for leg in self.legs])
         for name in ("transformers", "deepspeed", "pydantic", "pytest", "matplotlib"):
             cells = []
-            for leg, _ in LEGS:
+            for leg in self.legs:
                 module = (self.probes[leg] or {}).get("modules", {}).get(name)
                 if not module:
                     cells.append("-")
@@ -344,18 +423,24 @@ class Report:
                 else:
                     cells.append(f"{module['version']} ({module['file']})")
             rows.append([name] + cells)
-        self.add(*_table(["", "leg 1: " + self._leg_title("image"), "leg 2: " + self._leg_title("wheel")], rows))
+        titles = {"image": "leg 1: " + self._leg_title("image"), "wheel": "leg 2: " + self._leg_title("wheel")}
+        self.add(*_table([""] + [titles[leg] for leg in self.legs], rows))
         self.add("")
 
     def install(self):
         self.add("## Offline install", "")
         self.add(f"- Wheel folder: `{self.meta.get('wheels', '?')}` ({self.meta.get('wheels_note', '')})")
         self.add(f"- Fresh venv: `{self.meta.get('venv', '?')}` ({self.meta.get('venv_note', '')})")
-        self.add(f"- pip: `--no-index --no-deps --find-links` the wheel folder; leg 2's transformers into the target "
-                 f"folder `{self.meta.get('target', '?')}`, first on PYTHONPATH for that leg")
-        self.add(f"- Leg 2: {self.meta.get('leg2_note', '?')}", "")
+        if "wheel" in self.legs:
+            self.add(f"- pip: `--no-index --no-deps --find-links` the wheel folder; leg 2's transformers into the "
+                     f"target folder `{self.meta.get('target', '?')}`, first on PYTHONPATH for that leg")
+            self.add(f"- Leg 2: {self.meta.get('leg2_note', '?')}", "")
+        else:
+            self.add(
+                "- pip: `--no-index --no-deps --find-links` the wheel folder; this command runs under leg 1's "
+                "transformers alone", "")
         rows = []
-        for leg, _ in LEGS:
+        for leg in self.legs:
             for wheel in (self.probes[leg] or {}).get("wheels", []):
                 rows.append(
                     [wheel["wheel"], wheel["found"] or "NOT FOUND", wheel["where"] or "-", wheel["location"] or "-"])
@@ -372,39 +457,43 @@ class Report:
         self.add(*_table(["step", "status", "rc", "seconds", "timeout (s)", "command"], rows))
         self.add("")
 
+    def seed_tests(self):
+        self.add("## The seed's GPU tests", "")
+        self.add(
+            f"Tests: `{self.meta.get('seed_tests', '?')}` under {self._leg_title('image')}: the replayed node "
+            f"against autograd's on each CUDA backend (output, dK and dV bitwise; dQ as accurate as autograd's "
+            f"against FP32) and its CPU case, and a training step of an AutoEP engine on a two-layer Mixtral with and "
+            f"without the stash (equal loss, attention gradients within 1e-2 relative L2).", "")
+        if self.meta.get("seed_note"):
+            self.add(f"- Not run here: {self.meta['seed_note']}", "")
+        cases, source = self._cases("seed-tests", os.path.join(self.out, "junit-seed.xml"))
+        self._unfinished("seed-tests")
+        if not cases:
+            self.waited("seed-tests", "the test outcomes")
+            return
+        self.add(f"Tests: {_counts(cases)} (from the {source}).", "")
+        self._cases_table(cases)
+
     def suites(self):
         self.add("## GPU tests", "")
         self.add(
             f"Suite: `{self.meta.get('suite', '?')}`. GPU tests are those whose name matches "
             f"`{GPU_TESTS.pattern}`: cuDNN, flash and memory-efficient attention forced in turn, MHA and GQA, "
-            f"causal and padded, the replay against autograd (and its CPU case), the CUDA two-layer step, "
-            f"a model loaded by from_pretrained at its defaults and trained on CUDA, and the AutoEP engine step. "
-            f"Non-reentrant checkpointing on CUDA runs in the benchmark's non-reentrant arms.", "")
+            f"causal and padded, the replay against autograd (and its CPU case), the CUDA two-layer step and "
+            f"a model loaded by from_pretrained at its defaults and trained on CUDA (the AutoEP engine step is the "
+            f"protocol's). Non-reentrant checkpointing on CUDA runs in the peer comparison's non-reentrant arms.", "")
         rest = []
         for leg, _ in LEGS:
             step = f"suite-{leg}"
             self.add(f"### Leg {1 if leg == 'image' else 2}: {self._leg_title(leg)}", "")
-            path = os.path.join(self.out, f"junit-{leg}.xml")
-            source = "junit XML"
-            try:
-                cases = junit_cases(path)
-            except (OSError, ElementTree.ParseError):
-                cases, source = log_cases(os.path.join(self.work, "logs", f"{step}.log")), "pytest -v log (no junit)"
-            row = self.step.get(step)
-            if row and row["status"] != "passed":
-                self.add(
-                    f"The run {row['status']} (rc {row['rc']}, {row['seconds']} s of {row['limit']}): the "
-                    f"tables hold the tests that finished.", "")
+            cases, source = self._cases(step, os.path.join(self.out, f"junit-{leg}.xml"))
+            self._unfinished(step)
             gpu = [case for case in cases if GPU_TESTS.search(case["id"].split("::")[-1])]
             if not cases:
                 self.waited(step, "the test outcomes")
             else:
                 self.add(f"GPU tests: {_counts(gpu)} (from the {source}).", "")
-                self.add(*_table(["test", "outcome", "seconds", "message"], [[
-                    case["id"], case["outcome"], "-" if case["seconds"] is None else f"{case['seconds']:.2f}",
-                    case["message"]
-                ] for case in gpu]))
-                self.add("")
+                self._cases_table(gpu)
             rest.append((leg, [case for case in cases if case not in gpu]))
         self.add("## Rest of the suite", "")
         for leg, cases in rest:
@@ -421,20 +510,19 @@ class Report:
     def flash4_tests(self):
         self.add("## flash-attn 4", "")
         self.add(f"- Wheels: {self.meta.get('flash4_note', '?')}")
+        if self.meta.get("flash4_gpu"):
+            self.add(f"- On the GPU (`gpu_check.sh suite`): not run, not a failure: {self.meta['flash4_gpu']}")
         row = self.step.get("flash4")
         if row is None:
             self.add("")
-            self.waited("install-flash4" if "install-flash4" in self.step else "flash4", "the flash-attn 4 tests")
+            self.waited("flash4", "the flash-attn 4 tests")
             return
         if row["status"].startswith(SKIPPED):
             self.add(f"- Not run, not a failure: {row['status'][len(SKIPPED):]}", "")
             return
         self.add(f"- Command: `{row['command']}`", "")
-        source = "junit XML in the work folder"
-        try:
-            cases = junit_cases(os.path.join(self.work, "junit-flash4.xml"))
-        except (OSError, ElementTree.ParseError):
-            cases, source = log_cases(os.path.join(self.work, "logs", "flash4.log")), "pytest -v log (no junit)"
+        cases, source = self._cases("flash4", os.path.join(self.work, "junit-flash4.xml"))
+        source = source.replace("junit XML", "junit XML in the work folder")
         if not cases:
             self.waited("flash4", "the flash-attn 4 test outcomes")
             return
@@ -443,16 +531,14 @@ class Report:
                 f"The run {row['status']} (rc {row['rc']}, {row['seconds']} s of {row['limit']}): the table "
                 f"holds the tests that finished.", "")
         self.add(f"Tests: {_counts(cases)} (from the {source}).", "")
-        self.add(*_table(["test", "outcome", "seconds", "message"], [[
-            case["id"], case["outcome"], "-" if case["seconds"] is None else f"{case['seconds']:.2f}", case["message"]
-        ] for case in cases]))
-        self.add("")
+        self._cases_table(cases)
 
     def benchmark(self):
-        self.add("## Benchmark", "")
-        self.add(f"Command: `{self.step.get('bench', {}).get('command', '?')}`; {self.meta.get('bench_note', '')}", "")
+        step = self.bench_step
+        self.add(f"## Benchmark: {BENCH_TITLES[step]}", "")
+        self.add(f"Command: `{self.step.get(step, {}).get('command', '?')}`; {self.meta.get('bench_note', '')}", "")
         if not self.bench:
-            self.waited("bench", "the benchmark's figures")
+            self.waited(step, "the benchmark's figures")
             return
         settings, versions = self.bench["settings"], self.bench["versions"]
         self.add(
@@ -487,9 +573,11 @@ class Report:
             f"{self.bench['attention_forward_ms']:.3f} ms per layer and micro-batch, SDPA backend "
             f"{self.bench['sdpa_backend']}. Losses: largest difference across arms "
             f"{self.bench['loss_cross_arm']:.3g}, same-arm repeat noise {self.bench['loss_repeat_noise']:.3g}.")
-        plot = os.path.join(self.out, "bench.png")
-        self.add(f"Plot: {'`bench.png`' if os.path.isfile(plot) else 'none'} ({self.meta.get('plot_note', '')}).", "")
-        table = _log_tail(os.path.join(self.work, "logs", "bench.log"), lines=None)
+        plot = f"{step}.png"
+        self.add(
+            f"Plot: {f'`{plot}`' if os.path.isfile(os.path.join(self.out, plot)) else 'none'} "
+            f"({self.meta.get('plot_note', '')}).", "")
+        table = _log_tail(os.path.join(self.work, "logs", f"{step}.log"), lines=None)
         start = next((index for index, line in enumerate(table) if line.startswith("attention stash benchmark:")),
                      None)
         if start is not None:
@@ -521,7 +609,7 @@ class Report:
         bench = self.bench
         if bench:
             forward = bench["attention_forward_ms"]
-            self.add("Saving per stashed layer and micro-batch (from the benchmark's JSON):", "")
+            self.add("Saving per stashed layer and micro-batch (from the stashed-layer sweep's JSON):", "")
             rows = [[
                 arm["label"], arm["baseline"],
                 _ms(arm["saved_per_layer_ms"]),
@@ -538,7 +626,7 @@ class Report:
         self.add("## Bytes kept per layer against the planner", "")
         settings = (self.bench or self.op or {}).get("settings")
         if not settings:
-            self.waited("bench", "the bytes kept")
+            self.waited(self.bench_step, "the bytes kept")
             return
         element = 2 if settings["dtype"] in ("bfloat16", "float16") else 4
         formula = settings["micro_batch"] * settings["heads"] * settings["sequence"] * (
@@ -573,7 +661,7 @@ class Report:
         self.add(*_table(["what", "bytes per layer", "against the formula", "note"], rows))
         self.add("")
         if not self.bench:
-            self.waited("bench", "the bytes the benchmark kept")
+            self.waited(self.bench_step, "the bytes the benchmark kept")
 
     def long_sequences(self):
         self.add("## Long sequences", "")
@@ -652,7 +740,7 @@ class Report:
     def peak_memory(self):
         self.add("## Peak memory per arm", "")
         if not self.bench:
-            self.waited("bench", "the peak memory")
+            self.waited(self.bench_step, "the peak memory")
             return
         rows = [[
             arm["label"],
@@ -673,14 +761,16 @@ class Report:
                      *_log_tail(os.path.join(self.work, "logs", f"{row['name']}.log")), "```", "")
 
     def write(self):
-        for section in (self.header, self.versions, self.install, self.steps_table, self.suites, self.flash4_tests,
-                        self.benchmark, self.op_figures, self.kept_bytes, self.peak_memory, self.long_sequences,
-                        self.offload_leg, self.failed_logs):
+        sections = {
+            "protocol": (self.seed_tests, self.benchmark, self.op_figures, self.kept_bytes, self.peak_memory),
+            "suite": (self.suites, self.flash4_tests, self.benchmark, self.peak_memory, self.offload_leg),
+            "long": (self.long_sequences, ),
+        }[self.command]
+        for section in (self.header, self.skipped, self.versions, self.install, self.steps_table, *sections,
+                        self.failed_logs):
             section()
-        self.add("Files: RESULTS.md, gpu_check.log (every step's log), junit-image.xml, junit-wheel.xml, bench.json, "
-                 "bench.png, op_figures.json, long.json (the offload leg's figures and flash-attn 4's outcomes are "
-                 "above).")
-        path = os.path.join(self.out, "RESULTS.md")
+        self.add(f"Files: {FILES[self.command]}.")
+        path = os.path.join(self.out, f"RESULTS-{self.command}.md")
         with open(path, "w") as file:
             file.write("\n".join(self.lines) + "\n")
         print(f"wrote {path}")
@@ -700,7 +790,7 @@ def main(argv=None):
     check.add_argument("wheels", nargs="*")
     flash4 = commands.add_parser("flash4-wheels", help="list a folder's flash-attn-4 wheel and its dependencies'")
     flash4.add_argument("folder")
-    report = commands.add_parser("report", help="write RESULTS.md")
+    report = commands.add_parser("report", help="write RESULTS-<command>.md for the command the work folder ran")
     report.add_argument("--work", required=True)
     report.add_argument("--out", required=True)
     args = parser.parse_args(argv)

@@ -3,8 +3,9 @@
 # DeepSpeed Team
 """The stash on attn_implementation="flash_attention_4" with the real flash-attn 4 (``flash_attn.cute`` from a
 flash-attn-4 pre-release) on a GPU it runs on: Hopper or datacenter Blackwell. Skipped, with the reason, elsewhere;
-test_attention_stash_flash4.py runs the same steps on CPU through the test double. tests/benchmarks/gpu_check.sh runs
-this file on the H200 where its wheel folder holds a flash-attn-4 wheel.
+test_attention_stash_flash4.py runs the same steps on CPU through the test double. tests/benchmarks/gpu_check.sh
+reports it skipped on a lent device (flash-attn 4's GPU stack, a 92 MB CUTLASS DSL wheel, cannot travel there): run
+it where flash-attn 4 is installed.
 
 A stock step and a stashed one, with FLASH_ATTENTION_DETERMINISTIC=1 (Hugging Face passes flash-attn 4 deterministic
 from it: its backward is deterministic only then), have the same loss and gradients bitwise; the calls of flash-attn
@@ -38,7 +39,7 @@ SINKS_TRAIN = Version("4.0.0b26")
 # Documents of a packed batch: one row of 64 tokens, as test_attention_stash_flash.py packs them.
 DOCUMENTS = (24, 40)
 MODES = pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non_reentrant"])
-# Set to "required" (gpu_check.sh does, where it installed a flash-attn-4 wheel), a test that cannot run here fails,
+# Set to "required" where flash-attn 4 is meant to run (a GPU with it installed), a test that cannot run here fails,
 # with the reason, instead of skipping.
 REQUIRED = "ATTENTION_STASH_FLASH_ATTN_4"
 
