@@ -364,14 +364,19 @@ def test_attention_sinks_that_require_grad_are_refused_at_the_first_forward(inst
 
 
 @MODES
+@pytest.mark.parametrize("cast", [False, True], ids=["bfloat16_sinks", "float32_sinks_cast_each_pass"])
 @pytest.mark.parametrize("kind", ["plain", "packed_position_ids"])
-def test_frozen_attention_sinks_are_served(install, monkeypatch, tmp_path_factory, kind, use_reentrant):
+def test_frozen_attention_sinks_are_served(install, monkeypatch, tmp_path_factory, kind, cast, use_reentrant):
     """gpt-oss with frozen sinks on vLLM's flash-attn 3 (LoRA on Hopper): its backward, from the log-sum-exp the sinks
     are in, is complete for q, k and v, so the stash serves the kept output and log-sum-exp: bitwise as the plain
-    recompute, in both modes, on a plain and a packed batch, each recompute served, nothing alive after the step."""
+    recompute, in both modes, on a plain and a packed batch, each recompute served, nothing alive after the step. Sinks
+    kept in float32 in the bfloat16 model reach the kernel as s_aux, a new bfloat16 tensor in each pass (the integration
+    casts them to the query's dtype) with equal values: compared by value, as flash-attn 4's learnable_sink is."""
     repo_id = HUBS[2]
     use_hub_kernel(monkeypatch, tmp_path_factory, repo_id)
     model = _gpt_oss_model(repo_id, frozen_sinks=True, use_reentrant=use_reentrant)
+    for layer in model.model.layers if cast else ():
+        layer.self_attn.sinks.data = layer.self_attn.sinks.data.float()
     inputs, _ = make_batch(kind)
     expected_loss, expected, stock_calls = counted_step(model, inputs, kernel_op, whole_step=True)
     assert stock_calls == {"fwd": 4, "bwd": 2}
@@ -385,26 +390,6 @@ def test_frozen_attention_sinks_are_served(install, monkeypatch, tmp_path_factor
     del loss, grads
     assert handle.num_kept == 0 and kept_outputs() == [] and live_checkpoint_calls() == []
     assert live_tensors(before, model, counted=real_2d) == []
-
-
-@MODES
-def test_frozen_sinks_cast_to_the_querys_dtype_in_each_pass_are_served(install, monkeypatch, tmp_path_factory,
-                                                                       use_reentrant):
-    """gpt-oss's frozen sinks kept in float32 in a bfloat16 model reach vLLM's flash-attn 3 as s_aux, a new bfloat16
-    tensor in each pass (the integration casts them to the query's dtype) with equal values: compared by value, as
-    flash-attn 4's learnable_sink is, and served bitwise in both modes."""
-    repo_id = HUBS[2]
-    use_hub_kernel(monkeypatch, tmp_path_factory, repo_id)
-    model = _gpt_oss_model(repo_id, frozen_sinks=True, use_reentrant=use_reentrant)
-    for layer in model.model.layers:
-        layer.self_attn.sinks.data = layer.self_attn.sinks.data.float()
-    inputs, _ = make_batch("plain")
-    expected_loss, expected, _ = counted_step(model, inputs, kernel_op, whole_step=True)
-    handle = install(model, 2)
-    loss, grads, calls = counted_step(model, inputs, kernel_op, whole_step=True)
-    assert calls == {"fwd": 2, "bwd": 2} and handle.recomputes_served == 2
-    assert torch.equal(loss, expected_loss)
-    assert_same_grads(grads, expected)
 
 
 @pytest.mark.parametrize("cast", [False, True], ids=["same_tensor", "cast_each_pass"])
