@@ -271,17 +271,16 @@ def _sdpa_layer(query, key, value):
     return attention_stash._state.call.sdpa(query, key, value, enable_gqa=True)
 
 
-def _empty_call_steps(device, shapes):
-    """A stashed call's first pass (no grad) and recompute (with grad, then its backward) of an empty call, counted:
-    the output, the gradients of query, key and value, the aten ops run, and the stash's counters."""
+def _empty_call_steps(device, shapes, use_reentrant):
+    """An empty call through a stashed layer's checkpoint call under torch.utils.checkpoint in either mode (its first
+    pass and its recompute), then the backward, counted: the output, the gradients of query, key and value, the aten
+    ops run, and the stash's counters."""
     query_shape, key_shape = shapes
     inputs = [torch.randn(shape, device=device) for shape in (query_shape, key_shape, key_shape)]
     call, counters = bare_call(_sdpa_layer)
+    leaves = [tensor.detach().requires_grad_() for tensor in inputs]
     with CountOps() as ops:
-        with torch.no_grad():
-            call(*inputs)
-        leaves = [tensor.detach().requires_grad_() for tensor in inputs]
-        out = call(*leaves)
+        out = torch.utils.checkpoint.checkpoint(call, *leaves, use_reentrant=use_reentrant)
         out.sum().backward()
     return out.detach(), [leaf.grad for leaf in leaves], ops.calls, counters, inputs
 
@@ -290,12 +289,13 @@ def _fused(calls):
     return sorted(name for name in calls if name.startswith("_scaled_dot_product"))
 
 
+@pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non_reentrant"])
 @pytest.mark.parametrize("dimension", list(EMPTY_CALLS))
-def test_an_empty_call_reaches_no_fused_kernel_on_cpu(dimension):
+def test_an_empty_call_reaches_no_fused_kernel_on_cpu(dimension, use_reentrant):
     """On CPU, each empty call runs no fused SDPA kernel (the CPU flash kernel dies of SIGFPE on one without heads or
     length), and its output and gradients are F.scaled_dot_product_attention's, bitwise; the recompute is served and
     keeps nothing."""
-    out, grads, calls, counters, inputs = _empty_call_steps("cpu", EMPTY_CALLS[dimension])
+    out, grads, calls, counters, inputs = _empty_call_steps("cpu", EMPTY_CALLS[dimension], use_reentrant)
     assert _fused(calls) == []
     leaves = [tensor.detach().requires_grad_() for tensor in inputs]
     expected = F.scaled_dot_product_attention(*leaves, enable_gqa=True)
@@ -306,13 +306,14 @@ def test_an_empty_call_reaches_no_fused_kernel_on_cpu(dimension):
     assert (counters.recomputes_served, counters.kept, counters.kept_bytes) == (1, 0, 0)
 
 
+@pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non_reentrant"])
 @pytest.mark.parametrize("backend", list(BACKENDS))
 @pytest.mark.parametrize("dimension", list(EMPTY_CALLS))
-def test_an_empty_call_reaches_no_fused_kernel_on_cuda_backends(monkeypatch, backend, dimension):
+def test_an_empty_call_reaches_no_fused_kernel_on_cuda_backends(monkeypatch, backend, dimension, use_reentrant):
     """On the meta device as each CUDA backend (cuDNN, flash, memory-efficient): no fused kernel, forward or backward,
     for an empty call; outputs and gradients of the inputs' shapes; served."""
     use_backend_on_meta(monkeypatch, backend)
-    out, grads, calls, counters, inputs = _empty_call_steps("meta", EMPTY_CALLS[dimension])
+    out, grads, calls, counters, inputs = _empty_call_steps("meta", EMPTY_CALLS[dimension], use_reentrant)
     assert _fused(calls) == []
     assert out.shape == (*inputs[0].shape[:-1], inputs[2].shape[-1])
     assert [grad.shape for grad in grads] == [tensor.shape for tensor in inputs]
