@@ -167,7 +167,8 @@ def mismatches(report):
         engine(**inputs)
     except AttentionStashError as error:
         report["mismatch_at_forward"] = str(error)
-    report["mismatch_kept"] = handle.num_kept
+    # What the refused forward left: counted, and what gc finds of the stash's per-call objects.
+    report["mismatch_kept"] = [handle.num_kept, len(live_checkpoint_calls())]
     handle.remove()
     for name, call in ((
             "mismatch_at_install",
